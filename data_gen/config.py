@@ -22,6 +22,10 @@ class PromptsConfig:
     temperature: float = 1.0
     top_p: float = 0.95
     max_prompt_tokens: int = 64
+    # self: a system message to render before the user header (None = the template's default)
+    system: Optional[str] = None
+    # self: give up after this many sampled prompts (None = 8 * n)
+    max_attempts: Optional[int] = None
 
 
 @dataclass
@@ -32,6 +36,8 @@ class BackendConfig:
     model: Optional[str] = None  # served model name for the openai backend
     concurrency: int = 8
     timeout_s: float = 600.0
+    # hf: drop finished rows from the batch (and its KV cache) as they end
+    prune_finished: bool = True
 
 
 @dataclass

@@ -1,0 +1,220 @@
+"""Regeneration: every assistant turn is rewritten by the target, conditioned on its own history.
+
+Multi-turn conversations are regenerated round by round: round r prompts every conversation
+with the target's own answers to rounds < r plus the r-th user segment, so turn 2's prompt
+holds the target's answer to turn 1.
+
+Backends (looked up in BACKENDS):
+  hf      built in: left-padded, length-sorted batches through one batched decode loop with
+          the HF KV cache; finished rows leave the batch (and its cache) as they end.
+  openai  any OpenAI-compatible server (`vllm serve`, SGLang): POST /v1/chat/completions with
+          bounded concurrency.
+
+Sampling is reproducible per sample: each conversation turn draws from its own generator,
+seeded from (seed, sample id, turn), so the same sample gets the same answer whatever batch
+or rank it lands in.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from draftsmith import DraftsmithError
+from draftsmith.data_gen.config import BackendConfig
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+
+
+# --- the batched HF decode loop ---------------------------------------------------------------
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> torch.Tensor:
+    """Next token per row: argmax when greedy, else temperature + top-p with each row's own generator."""
+    if params.temperature <= 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)  # (B, V)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p > params.top_p  # keep the smallest set reaching top_p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) samples i with probability p_i.
+    noise = torch.stack([torch.empty(probs.shape[-1]).exponential_(generator=g) for g in generators])
+    return (probs / noise.to(probs.device)).argmax(dim=-1)
+
+
+@torch.no_grad()
+def _generate_batch(model, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
+                    eos_ids: set[int], pad_id: int, prune: bool, bar) -> list[tuple[list[int], str]]:
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    B, T = len(prompts), max(len(p) for p in prompts)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, T), dtype=torch.long)
+    for r, p in enumerate(prompts):  # left padding: every row's last prompt token sits at T-1
+        input_ids[r, T - len(p):] = torch.tensor(p)
+        attn[r, T - len(p):] = 1
+    input_ids, attn = input_ids.to(device), attn.to(device)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (B, T)
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=pos, cache=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]  # (B, V)
+    next_pos = pos[:, -1:] + 1  # (B, 1)
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
+    rows = list(range(B))  # batch row -> sample index
+    live = [True] * B  # per sample: still generating
+    out: list[list[int]] = [[] for _ in range(B)]
+    finish = ["length"] * B
+    for _ in range(params.max_new_tokens):
+        tokens = sample_next(logits, params, [generators[r] for r in rows])  # (b,)
+        for r, t in zip(rows, tokens.tolist()):
+            if not live[r]:
+                continue
+            if t in eos_ids:
+                finish[r], live[r] = "stop", False
+            else:
+                out[r].append(t)
+                live[r] = len(out[r]) < params.max_new_tokens
+        bar.update(len(rows))
+        if not any(live[r] for r in rows):
+            break
+        keep = [j for j, r in enumerate(rows) if live[r]]
+        if prune and len(keep) < len(rows):  # finished rows leave the batch and the KV cache
+            idx = torch.tensor(keep, device=device)
+            cache.batch_select_indices(idx)
+            attn, next_pos, tokens = attn[idx], next_pos[idx], tokens[idx]
+            rows = [rows[j] for j in keep]
+        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)
+        logits = model(input_ids=tokens[:, None], attention_mask=attn, position_ids=next_pos,
+                       cache=cache, use_cache=True).logits[:, -1]
+        next_pos = next_pos + 1
+    return [(out[r], finish[r]) for r in range(B)]
+
+
+def generate_tokens(target, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
+                    batch_size: int = 16, prune: bool = True, desc: str = "generate"
+                    ) -> list[tuple[list[int], str]]:
+    """Generate for token-id prompts in length-sorted batches; (new ids without EOS, 'stop'|'length'), in order."""
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    eos = set(target.eos_token_ids)
+    pad = target.tokenizer.pad_token_id
+    results: list = [None] * len(prompts)
+    with tqdm(total=None, desc=desc, unit="tok", leave=False, disable=None) as bar:
+        for start in range(0, len(order), batch_size):
+            idx = order[start:start + batch_size]
+            outs = _generate_batch(target.model, [prompts[i] for i in idx], params, [seeds[i] for i in idx],
+                                   eos, pad, prune, bar)
+            for i, o in zip(idx, outs):
+                results[i] = o
+    return results
+
+
+# --- backends: conversations in, assistant texts out ------------------------------------------
+
+class HFBackend:
+    """The built-in batched backend on the loaded target."""
+
+    def __init__(self, target, cfg: BackendConfig, params: SamplingParams):
+        self.target, self.cfg, self.params = target, cfg, params
+
+    def chat(self, conversations: list[list[dict]], seeds: list[int]) -> list[str | None]:
+        tok = self.target.tokenizer
+        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        outs = generate_tokens(self.target, ids, self.params, seeds, self.cfg.batch_size,
+                               self.cfg.prune_finished, desc="regenerate")
+        return [tok.decode(o, skip_special_tokens=True) for o, _ in outs]
+
+
+class OpenAIBackend:
+    """Any OpenAI-compatible server: one /chat/completions request per turn, `concurrency` in flight."""
+
+    def __init__(self, target, cfg: BackendConfig, params: SamplingParams):
+        import httpx
+
+        self.cfg, self.params = cfg, params
+        self.url = cfg.url.rstrip("/")
+        self.client = httpx.Client(timeout=cfg.timeout_s)
+        self.model = cfg.model or self._first_model()
+
+    def _request(self, method: str, path: str, **kw):
+        import httpx
+
+        try:
+            r = self.client.request(method, self.url + path, **kw)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            raise DraftsmithError(f"cannot reach the OpenAI-compatible server at {self.url} ({e}); "
+                                  f"start it or set backend.url.") from None
+        r.raise_for_status()
+        return r.json()
+
+    def _first_model(self) -> str:
+        models = self._request("GET", "/models").get("data") or []
+        if not models:
+            raise DraftsmithError(f"the server at {self.url} lists no model; set backend.model.")
+        return models[0]["id"]
+
+    def _one(self, messages: list[dict], seed: int) -> str | None:
+        import httpx
+
+        body = {"model": self.model, "messages": messages, "max_tokens": self.params.max_new_tokens,
+                "temperature": self.params.temperature, "top_p": self.params.top_p, "seed": seed % (1 << 31)}
+        try:
+            return self._request("POST", "/chat/completions", json=body)["choices"][0]["message"]["content"]
+        except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError):
+            return None  # counted as failed; the sample is left out
+
+    def chat(self, conversations: list[list[dict]], seeds: list[int]) -> list[str | None]:
+        with ThreadPoolExecutor(max_workers=max(1, self.cfg.concurrency)) as pool:
+            futures = [pool.submit(self._one, c, s) for c, s in zip(conversations, seeds)]
+            return [f.result() for f in tqdm(futures, desc="regenerate", leave=False, disable=None)]
+
+
+BACKENDS = {"hf": HFBackend, "openai": OpenAIBackend}
+
+
+def make_backend(target, cfg: BackendConfig, params: SamplingParams):
+    if cfg.kind not in BACKENDS:
+        raise DraftsmithError(f"backend.kind={cfg.kind!r} is not one of {', '.join(BACKENDS)}.")
+    return BACKENDS[cfg.kind](target, cfg, params)
+
+
+# --- conversations ------------------------------------------------------------------------------
+
+def user_segments(messages: list[dict]) -> list[list[dict]]:
+    """The non-assistant messages before each assistant turn: [sys,u1,a1,u2] -> [[sys,u1],[u2]]."""
+    segments, current = [], []
+    for m in messages:
+        if m["role"] == "assistant":
+            if current:
+                segments.append(current)
+            current = []
+        else:
+            current.append(m)
+    if current and any(m["role"] == "user" for m in current):
+        segments.append(current)
+    return segments
+
+
+def regenerate(samples: list[dict], backend, seed: int) -> tuple[list[dict], int]:
+    """Replace every assistant turn with the target's own answer; returns (samples, failed count)."""
+    from draftsmith.data_gen.prompts import hash_seed
+
+    segments = [user_segments(s["messages"]) for s in samples]
+    history: list[list[dict] | None] = [[] for _ in samples]
+    for turn in range(max((len(s) for s in segments), default=0)):
+        live = [i for i, s in enumerate(segments) if turn < len(s) and history[i] is not None]
+        convs = [history[i] + segments[i][turn] for i in live]
+        seeds = [hash_seed(seed, samples[i]["id"], turn) for i in live]
+        for i, conv, text in zip(live, convs, backend.chat(convs, seeds)):
+            history[i] = None if text is None else conv + [{"role": "assistant", "content": text}]
+    out = [{**s, "messages": h} for s, h in zip(samples, history) if h]
+    return out, sum(h is None for h in history)
