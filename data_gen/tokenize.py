@@ -91,5 +91,8 @@ def tokenize_samples(samples: list[dict], tokenizer, end_ids, max_length: int, o
         if not any(mask):
             counts["dropped"] += 1
             continue
-        rows.append({"id": s["id"], "input_ids": ids, "loss_mask": mask})
+        row = {"id": s["id"], "input_ids": ids, "loss_mask": mask}
+        if "order" in s:  # prompt index, kept while rank parts are merged
+            row["order"] = s["order"]
+        rows.append(row)
     return rows, counts
