@@ -1,0 +1,305 @@
+"""Save and load the EAGLE-3 folder that vLLM and SGLang load as a drafter.
+
+    folder/
+      config.json         LlamaForCausalLMEagle3, 1 layer, draft_vocab_size, target-matching sizes
+      model.safetensors   fc, midlayer.*, norm, lm_head, d2t (int64), t2d (bool) [, embed_tokens]
+      manifest.json       draftsmith's manifest (stage, target identity), when a target is given
+
+Folders are written atomically: everything goes into a hidden sibling folder that is renamed
+into place only when complete, so a crash never leaves a folder that looks finished and never
+destroys the one that was there. Loading uses safetensors only (no pickle) and checks every
+tensor name, shape and dtype before building the head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import types
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from draftsmith import DraftsmithError
+from draftsmith.data_gen.manifest import atomic_write_json, write_manifest
+from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
+
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+EMBED = "embed_tokens.weight"
+
+
+# ---------------------------------------------------------------------------------------------
+# What the folder holds
+
+
+def eagle3_tensor_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the EAGLE-3 folder (embed_tokens included) and its shape, for `config`."""
+    H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
+    H_t = getattr(config, "target_hidden_size", None) or H
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    I = config.intermediate_size
+    return {
+        "fc.weight": (H, 3 * H_t),
+        "midlayer.input_layernorm.weight": (H,),
+        "midlayer.hidden_norm.weight": (H,),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * H),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
+        "midlayer.self_attn.o_proj.weight": (H, q),
+        "midlayer.mlp.gate_proj.weight": (I, H),
+        "midlayer.mlp.up_proj.weight": (I, H),
+        "midlayer.mlp.down_proj.weight": (H, I),
+        "norm.weight": (H,),
+        "lm_head.weight": (Vd, H),
+        "d2t": (Vd,),
+        "t2d": (V,),
+        EMBED: (V, H),
+    }
+
+
+# The vocab map keeps its integer / boolean dtypes whatever the weights' dtype.
+FIXED_DTYPES = {"d2t": torch.int64, "t2d": torch.bool}
+
+
+def head_tensors(head: Eagle3Head, dtype: Optional[torch.dtype] = None,
+                 include_embeddings: bool = True) -> dict[str, torch.Tensor]:
+    """The head's tensors under the EAGLE-3 folder's names, contiguous on CPU, floats in `dtype`."""
+    state = head.state_dict()
+    out = {}
+    for name in eagle3_tensor_shapes(head.config):
+        if name == EMBED and not include_embeddings:
+            continue
+        t = state[name].detach()
+        t = t.to(FIXED_DTYPES[name]) if name in FIXED_DTYPES else t.to(dtype or t.dtype)
+        out[name] = t.to("cpu").contiguous()
+    return out
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def rope_theta(config) -> float:
+    rope = getattr(config, "rope_parameters", None) or {}
+    return float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def llama_layer_config(config, dtype: Optional[torch.dtype] = None) -> dict:
+    """The 1-layer Llama fields both formats share (sizes, heads, rope, eps), as JSON."""
+    rope = dict(getattr(config, "rope_parameters", None) or {"rope_type": "default"})
+    rope.setdefault("rope_theta", rope_theta(config))
+    fields = {
+        "model_type": "llama",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": config.hidden_act,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": rope_theta(config),  # engines read the top-level key
+        "rope_parameters": rope,
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+    if rope.get("rope_type", "default") != "default":
+        fields["rope_scaling"] = rope  # the older name engines still read
+    if dtype is not None:
+        fields["torch_dtype"] = str(dtype).removeprefix("torch.")
+    return fields
+
+
+def eagle3_config_json(config, manifest_target: Optional[dict] = None,
+                       dtype: Optional[torch.dtype] = None) -> dict:
+    """config.json of the EAGLE-3 folder (vLLM `LlamaForCausalLMEagle3`, SGLang `LlamaForCausalLMEagle3`)."""
+    out = {
+        "architectures": [EAGLE3_ARCHITECTURE],
+        **llama_layer_config(config, dtype),
+        "draft_vocab_size": config.draft_vocab_size,
+        "norm_before_residual": False,  # the residual is the un-normed hidden
+    }
+    target_hidden = getattr(config, "target_hidden_size", None)
+    if target_hidden and target_hidden != config.hidden_size:
+        out["target_hidden_size"] = target_hidden
+    aux = explicit_aux_layer_ids(manifest_target)
+    if aux is not None:
+        # vLLM reads the residual entering layer i (HF hidden_states[i]); SGLang captures the
+        # output of layer i, one less. Written only when not the default both assume.
+        out["eagle_aux_hidden_state_layer_ids"] = aux
+        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux]}
+    return out
+
+
+def explicit_aux_layer_ids(manifest_target: Optional[dict]) -> Optional[list[int]]:
+    """The target's aux-layer ids (HF hidden_states indices) when they are not the default."""
+    if not manifest_target or manifest_target.get("aux_layer_ids") is None:
+        return None
+    aux = [int(i) for i in manifest_target["aux_layer_ids"]]
+    num_layers = manifest_target.get("num_layers")
+    if num_layers is not None and aux == default_aux_layer_ids(int(num_layers)):
+        return None
+    return aux
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomic folders
+
+
+@contextlib.contextmanager
+def atomic_folder(folder: str | os.PathLike) -> Iterator[Path]:
+    """Yield a hidden temporary sibling of `folder`; on success it replaces `folder`, on error it goes.
+
+    An existing `folder` is moved aside only after the new one is complete, then removed.
+    """
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
+    try:
+        yield tmp
+        old = None
+        if folder.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".old", dir=folder.parent))
+            os.replace(folder, old / folder.name)
+        os.replace(tmp, folder)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: Optional[dict] = None) -> None:
+    save_file(tensors, str(path), metadata={"format": "pt", **(metadata or {})})
+
+
+# ---------------------------------------------------------------------------------------------
+# Save / load
+
+
+def save_eagle3(head: Eagle3Head, folder: str | os.PathLike, manifest_target: dict | None = None,
+                extra_config: dict | None = None, *, include_embeddings: bool = True,
+                dtype: Optional[torch.dtype] = None, stage: str = "train") -> Path:
+    """Write the EAGLE-3 folder vLLM and SGLang load (atomically) and return its path.
+
+    `manifest_target` (a `Target.identity()`) adds manifest.json and, when not the default,
+    the aux-layer ids; `extra_config` adds keys to config.json; `dtype` casts the float tensors.
+    """
+    folder = Path(folder)
+    tensors = head_tensors(head, dtype, include_embeddings)
+    config = eagle3_config_json(head.config, manifest_target, dtype or head.fc.weight.dtype)
+    config.update(extra_config or {})
+    with atomic_folder(folder) as tmp:
+        write_safetensors(tmp / WEIGHTS, tensors)
+        atomic_write_json(tmp / CONFIG, config)
+        if manifest_target is not None:
+            counts = {"draft_vocab_size": head.config.draft_vocab_size,
+                      "parameters": sum(t.numel() for n, t in tensors.items() if n not in FIXED_DTYPES)}
+            write_manifest(tmp, stage, manifest_target, counts, format="eagle3")
+    return folder
+
+
+def read_config_json(folder: Path) -> dict:
+    path = folder / CONFIG
+    if not path.is_file():
+        raise DraftsmithError(f"{folder} is not an EAGLE-3 head folder: it has no {CONFIG}.")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DraftsmithError(f"{path} is not valid JSON (line {e.lineno}): {e.msg}.") from None
+
+
+def config_from_json(config: dict, where: Path):
+    """Rebuild the head's LlamaConfig from an EAGLE-3 config.json."""
+    if EAGLE3_ARCHITECTURE not in (config.get("architectures") or []):
+        raise DraftsmithError(f"{where} declares architectures {config.get('architectures')!r}, "
+                              f"not [{EAGLE3_ARCHITECTURE!r}].")
+    required = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "vocab_size", "draft_vocab_size", "rms_norm_eps", "max_position_embeddings")
+    for key in required:
+        if key not in config:
+            raise DraftsmithError(f"{where} has no {key!r}.")
+    fields = {k: config[k] for k in required}
+    fields["head_dim"] = config.get("head_dim")
+    fields["hidden_act"] = config.get("hidden_act", "silu")
+    rope = config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config.get("rope_theta", 10000.0)}
+    fields["rope_parameters"] = rope
+    llama = eagle3_config_from_target(types.SimpleNamespace(**fields), config["draft_vocab_size"])
+    llama.target_hidden_size = config.get("target_hidden_size") or config["hidden_size"]
+    return llama
+
+
+def read_checked_tensors(path: Path, expected: dict[str, tuple[int, ...]], optional: tuple[str, ...] = (),
+                         device="cpu") -> dict[str, torch.Tensor]:
+    """Read `path` with safetensors, refusing a missing, unexpected or wrongly shaped tensor."""
+    if not path.is_file():
+        raise DraftsmithError(f"{path.parent} has no {path.name}.")
+    with safe_open(str(path), framework="pt", device=str(device)) as f:
+        names = set(f.keys())
+        for name in expected:
+            if name not in names and name not in optional:
+                raise DraftsmithError(f"{path} has no tensor {name!r}.")
+        unexpected = sorted(names - set(expected))
+        if unexpected:
+            raise DraftsmithError(f"{path} has an unexpected tensor {unexpected[0]!r}.")
+        tensors = {}
+        for name in sorted(names):
+            t = f.get_tensor(name)
+            if tuple(t.shape) != tuple(expected[name]):
+                raise DraftsmithError(f"{path}: tensor {name!r} has shape {tuple(t.shape)}, "
+                                      f"expected {tuple(expected[name])}.")
+            if name in FIXED_DTYPES and t.dtype != FIXED_DTYPES[name]:
+                raise DraftsmithError(f"{path}: tensor {name!r} is {t.dtype}, expected {FIXED_DTYPES[name]}.")
+            tensors[name] = t
+    return tensors
+
+
+def keep_rope_fp32(head: Eagle3Head, inv_freq: torch.Tensor) -> None:
+    """Casting the head to bf16 also rounds the rotary frequencies; put the fp32 ones back."""
+    head.rotary_emb.inv_freq = inv_freq.to(head.rotary_emb.inv_freq.device)
+    head.rotary_emb.original_inv_freq = inv_freq.clone().to(head.rotary_emb.inv_freq.device)
+
+
+def load_eagle3(folder: str | os.PathLike, device="cpu", dtype: Optional[torch.dtype] = None,
+                target_embeddings: torch.Tensor | torch.nn.Embedding | None = None) -> Eagle3Head:
+    """Load an EAGLE-3 folder written by `save_eagle3` (or any engine-format EAGLE-3 folder).
+
+    Every tensor's name, shape and dtype is checked. A folder without `embed_tokens.weight`
+    needs the target's embeddings as `target_embeddings` (V, H). `dtype` None keeps the file's.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DraftsmithError(f"head folder {folder} does not exist.")
+    config = config_from_json(read_config_json(folder), folder / CONFIG)
+    expected = eagle3_tensor_shapes(config)
+    tensors = read_checked_tensors(folder / WEIGHTS, expected, optional=(EMBED,))
+    if EMBED not in tensors:
+        if target_embeddings is None:
+            raise DraftsmithError(f"{folder / WEIGHTS} has no {EMBED!r}: pass the target's embeddings "
+                                  f"as target_embeddings.")
+        weight = getattr(target_embeddings, "weight", target_embeddings).detach()
+        if tuple(weight.shape) != expected[EMBED]:
+            raise DraftsmithError(f"target_embeddings has shape {tuple(weight.shape)}, "
+                                  f"expected {expected[EMBED]} for {folder}.")
+        tensors[EMBED] = weight.to("cpu", tensors["fc.weight"].dtype)
+    head = Eagle3Head(config)
+    inv_freq = head.rotary_emb.inv_freq.clone()
+    head.to(tensors["fc.weight"].dtype)
+    head.load_state_dict(tensors, strict=True)
+    head.to(device=device, dtype=dtype)
+    keep_rope_fp32(head, inv_freq)
+    head.embed_tokens.weight.requires_grad_(False)
+    return head
