@@ -1,0 +1,27 @@
+"""Shared fixtures: targets (tiny for unit tests, SmolLM2 for the few slow ones) and config composition."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    from draftsmith.data_gen.target import TargetConfig, load_target
+
+    return load_target(TargetConfig(name="tiny"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_target():
+    from draftsmith.data_gen.target import TargetConfig, load_target
+
+    return load_target(TargetConfig(name="smollm2"))
+
+
+@pytest.fixture
+def compose_cfg():
+    """compose_cfg(stage, *overrides): the stage's config as the CLI would build it."""
+    from draftsmith.configs import compose
+
+    return lambda stage, *overrides: compose(stage, list(overrides))
