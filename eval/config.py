@@ -1,0 +1,81 @@
+"""Config of the eval stage (registered with Hydra in draftsmith.configs as `eval_schema`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from draftsmith import DraftsmithError
+from draftsmith.data_gen.config import PromptsConfig
+from draftsmith.data_gen.target import TargetConfig
+from draftsmith.eval.decoder import DraftingConfig, SamplingConfig
+
+BASELINES = ("ngram", "hf_generate", "hf_assisted")
+
+
+@dataclass
+class EvalPromptsConfig(PromptsConfig):
+    """Which prompts to decode. Accepts every key of data-gen's `prompts/*` options, plus eval's own."""
+
+    source: str = "question"  # question | sharegpt | openai | holdout  (see draftsmith.eval.prompts)
+    path: Optional[str] = None  # a JSONL file; for holdout, a data-gen output folder
+    n: Optional[int] = 16  # sample size after per-category sampling (None = all)
+    per_category: Optional[int] = None  # keep at most this many of each category
+    categories: Optional[list[str]] = None  # keep only these categories
+    multi_turn: bool = False  # decode every user turn, each after the decoder's own previous answers
+    holdout: int = 16  # holdout: the last this-many conversations of the data-gen output
+
+
+@dataclass
+class EvalConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    prompts: EvalPromptsConfig = field(default_factory=EvalPromptsConfig)
+    # The drafter: an EAGLE-3 checkpoint / exported folder, an HF draft-model folder, `ngram`, or
+    # `none` (target-only decoding only).
+    head: str = "ngram"
+    out: str = "runs/eval"
+    # Sampling (applied to both target and draft distributions); temperature 0 = greedy.
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    drafting: DraftingConfig = field(default_factory=DraftingConfig)
+    # n-gram proposer (the `ngram` head and baseline): longest suffix match up to this length.
+    ngram_max: int = 3
+    ngram_min: int = 1
+    max_new_tokens: int = 128
+    # Timing: every prompt is decoded `repeats` times by each method; its time is the median.
+    repeats: int = 3
+    warmup_prompts: int = 1  # decoded first by every method, excluded from every figure
+    seed: int = 0
+    # Extra rows: ngram (our decoder with the n-gram proposer), hf_generate (transformers'
+    # target-only generate), hf_assisted (transformers' generate(assistant_model=...) for draft models).
+    baselines: list[str] = field(default_factory=list)
+    # KV-cache slots of the target runner; None = longest prompt + turns * max_new_tokens + draft room.
+    max_len: Optional[int] = None
+    progress: bool = True
+    plot: bool = True
+
+
+def build_settings(cfg) -> tuple[SamplingConfig, DraftingConfig]:
+    """Check the options and build the decoder's settings; out-of-range values raise one sentence."""
+    if cfg.temperature < 0:
+        raise DraftsmithError(f"temperature={cfg.temperature} must be >= 0 (0 = greedy).")
+    if cfg.top_k < 0:
+        raise DraftsmithError(f"top_k={cfg.top_k} must be >= 0 (0 = off).")
+    if not 0 < cfg.top_p <= 1:
+        raise DraftsmithError(f"top_p={cfg.top_p} must be in (0, 1].")
+    if cfg.max_new_tokens < 1:
+        raise DraftsmithError(f"max_new_tokens={cfg.max_new_tokens} must be at least 1.")
+    if cfg.repeats < 1:
+        raise DraftsmithError(f"repeats={cfg.repeats} must be at least 1.")
+    if cfg.warmup_prompts < 0:
+        raise DraftsmithError(f"warmup_prompts={cfg.warmup_prompts} must be >= 0.")
+    if not 1 <= cfg.ngram_min <= cfg.ngram_max:
+        raise DraftsmithError(f"ngram_min={cfg.ngram_min} and ngram_max={cfg.ngram_max} need 1 <= ngram_min <= ngram_max.")
+    for b in cfg.baselines:
+        if b not in BASELINES:
+            raise DraftsmithError(f"baselines has {b!r}; choose from {', '.join(BASELINES)}.")
+    d = cfg.drafting  # DraftingConfig checks its own ranges when built
+    drafting = DraftingConfig(mode=d.mode, num_speculative_tokens=d.num_speculative_tokens,
+                              tree_top_k=d.tree_top_k, tree_budget=d.tree_budget)
+    return SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p), drafting

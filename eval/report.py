@@ -1,0 +1,128 @@
+"""Reports of an eval run: report.json, report.md and a PNG plot, each written atomically."""
+
+from __future__ import annotations
+
+import io
+import os
+import platform
+import sys
+from pathlib import Path
+
+from draftsmith import __version__
+from draftsmith.data_gen.manifest import atomic_write_bytes, atomic_write_json
+
+
+def software_versions() -> dict:
+    import torch
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "draftsmith": __version__}
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware(device: str) -> dict:
+    import torch
+
+    info = {"cpu": cpu_model(), "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "device": str(device), "platform": sys.platform}
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def _f(x: float, digits: int = 2) -> str:
+    return f"{x:.{digits}f}"
+
+
+def markdown(report: dict) -> str:
+    """A human-readable report: settings, the overall row, baselines, one row per category, conventions."""
+    d = report["drafting"]
+    lines = [
+        f"# draftsmith eval: {report['method']} on {report['target']['target_id']}",
+        "",
+        f"- head: `{report['head']}`",
+        f"- sampling: temperature {report['temperature']}, top_k {report['top_k']}, top_p {report['top_p']}",
+        f"- drafting: {d['mode']}, K = {d['num_speculative_tokens']}"
+        + (f", tree_top_k {d['tree_top_k']}, tree_budget {d['tree_budget']}" if d["mode"] == "tree" else ""),
+        f"- prompts: {report['n_prompts']} ({report['prompts']['source']}: {report['prompts']['path']}), "
+        f"{report['n_samples']} decoded turns, {report['new_tokens']} new tokens, max_new_tokens {report['max_new_tokens']}",
+        f"- timing: median of {report['repeats']} runs, {report['warmup_prompts']} warm-up prompt(s) excluded",
+        f"- hardware: {report['hardware']['cpu']} ({report['hardware']['cpu_cores']} cores), device {report['hardware']['device']}",
+        f"- software: " + ", ".join(f"{k} {v}" for k, v in report["software"].items()),
+        "",
+        "| category | n | tau | target-only tok/s | speculative tok/s | speedup |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    rows = [("**all**", report)] + list(report["per_category"].items())
+    for name, r in rows:
+        n = r.get("n", r.get("n_samples"))
+        lines.append(f"| {name} | {n} | {_f(r['tau'])} | {_f(r['target_only_tokens_per_s'], 1)} | "
+                     f"{_f(r['speculative_tokens_per_s'], 1)} | {_f(r['speedup'])}x |")
+    if report.get("baselines"):
+        lines += ["", "## Baselines (same prompts)", "",
+                  "| method | tau | tok/s | speedup vs our target-only |", "|---|---:|---:|---:|"]
+        for name, b in report["baselines"].items():
+            t = _f(b["tau"]) if b.get("tau") is not None else "-"
+            lines.append(f"| {name} | {t} | {_f(b['tokens_per_s'], 1)} | {_f(b['speedup'])}x |")
+    acc = report["per_position_acceptance"]
+    if acc:
+        lines += ["", "## Per-position acceptance", "",
+                  "| position | " + " | ".join(str(i + 1) for i in range(len(acc))) + " |",
+                  "|---|" + "---:|" * len(acc),
+                  "| accepted / proposed | " + " | ".join(_f(a, 3) for a in acc) + " |"]
+    lines += ["", "## Conventions", "", report["conventions"], ""]
+    return "\n".join(lines)
+
+
+def plot_png(report: dict) -> bytes:
+    """Two panels: per-position acceptance bars, and tau per category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
+    acc = report["per_position_acceptance"]
+    ax0.bar([str(i + 1) for i in range(len(acc))], acc, color="tab:blue")
+    ax0.set_ylim(0, 1)
+    ax0.set_xlabel("draft position")
+    ax0.set_ylabel("accepted / proposed")
+    ax0.set_title(f"per-position acceptance (tau = {report['tau']:.2f})")
+    cats = list(report["per_category"])
+    ax1.bar(cats, [report["per_category"][c]["tau"] for c in cats], color="tab:orange")
+    ax1.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax1.set_ylabel("tau (tokens / verification)")
+    ax1.set_title(f"tau per category (speedup {report['speedup']:.2f}x overall)")
+    ax1.tick_params(axis="x", rotation=45)
+    for label in ax1.get_xticklabels():
+        label.set_horizontalalignment("right")
+    fig.suptitle(f"{report['method']} on {report['target']['target_id']}, "
+                 f"T={report['temperature']}, {report['drafting']['mode']} K={report['drafting']['num_speculative_tokens']}")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def write_report(out: str | Path, report: dict, plot: bool = True) -> dict:
+    """Write report.json, report.md and (optionally) report.png atomically; returns their paths."""
+    out = Path(out)
+    paths = {"json": out / "report.json", "md": out / "report.md"}
+    atomic_write_json(paths["json"], report)
+    atomic_write_bytes(paths["md"], markdown(report).encode())
+    if plot:
+        paths["png"] = out / "report.png"
+        atomic_write_bytes(paths["png"], plot_png(report))
+    return {k: str(v) for k, v in paths.items()}
