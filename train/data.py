@@ -1,0 +1,118 @@
+"""Training data: a data-gen folder -> length-bucketed, deterministic, resumable micro-batches.
+
+The order of samples is a pure function of (seed, epoch): shuffle, cut into mega-batches, sort each
+mega-batch by length, cut into global batches, shuffle the batches. A global batch of
+`micro_batch_size * grad_accum * world_size` samples is cut into micro-batches; micro-batch k
+goes to rank k % world_size as accumulation slot k // world_size. So one process with
+grad_accum = 2 sees exactly the micro-batches two processes with grad_accum = 1 see, and the
+data position is just (epoch, batch index): part of the resumable state.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from draftsmith import DraftsmithError
+from draftsmith.data_gen.dataset import HiddenStates, load_tokenized
+
+
+@dataclass
+class TrainData:
+    """The tokenized rows (lists), optional offline features, and the data folder's manifest."""
+
+    input_ids: list[list[int]]
+    loss_mask: list[list[int]]
+    hidden: Optional[HiddenStates]
+    manifest: dict
+    indices: list[int]  # the dataset rows this split uses
+
+    def lengths(self) -> list[int]:
+        return [len(self.input_ids[i]) for i in self.indices]
+
+
+def load_data(data_dir: str, target_identity: dict, mode: str, max_length: int, val_samples: int
+              ) -> tuple[TrainData, Optional[TrainData], str]:
+    """(train split, held-out split or None, resolved mode "online" | "offline")."""
+    if not Path(data_dir).is_dir():
+        raise DraftsmithError(f"data={data_dir!r} is not a folder; give a data-gen output folder.")
+    ds, manifest = load_tokenized(data_dir, target_identity)
+    has_hidden = bool(manifest.get("hidden_states"))
+    if mode == "auto":
+        mode = "offline" if has_hidden else "online"
+    if mode not in ("online", "offline"):
+        raise DraftsmithError(f"mode={mode!r} must be auto, online or offline.")
+    hidden = None
+    if mode == "offline":
+        if not has_hidden:
+            raise DraftsmithError(f"mode=offline needs hidden states in {data_dir}; rerun data-gen with hidden_states=true.")
+        hs_target = {**manifest["target"], "hidden_size": manifest["hidden_states"].get("hidden_size", manifest["target"]["hidden_size"])}
+        if hs_target["hidden_size"] != target_identity["hidden_size"]:
+            raise DraftsmithError(f"the hidden states in {data_dir} have hidden_size {hs_target['hidden_size']}, "
+                                  f"the target has {target_identity['hidden_size']}.")
+        if list(manifest["hidden_states"].get("aux_layer_ids", [])) != list(target_identity["aux_layer_ids"]):
+            raise DraftsmithError(f"the hidden states in {data_dir} were captured at layers "
+                                  f"{manifest['hidden_states'].get('aux_layer_ids')}, the target uses "
+                                  f"{target_identity['aux_layer_ids']} (target.aux_layer_ids).")
+        hidden = HiddenStates(data_dir)
+    ids = [list(x)[:max_length] for x in ds["input_ids"]]
+    masks = [list(x)[:max_length] for x in ds["loss_mask"]]
+    keep = [i for i in range(len(ids)) if len(ids[i]) >= 2 and sum(masks[i]) > 0]
+    if not keep:
+        raise DraftsmithError(f"the data in {data_dir} has no sample with a loss-masked token to train on.")
+    if val_samples >= len(keep):
+        raise DraftsmithError(f"val_samples={val_samples} leaves no training sample out of {len(keep)}.")
+    split = len(keep) - val_samples
+    train = TrainData(ids, masks, hidden, manifest, keep[:split])
+    val = TrainData(ids, masks, hidden, manifest, keep[split:]) if val_samples else None
+    return train, val, mode
+
+
+def batch_order(lengths: list[int], global_batch: int, mega_batch: int, seed: int, epoch: int) -> list[list[int]]:
+    """Positions (into `lengths`) of each global batch of one epoch; the last partial batch is dropped."""
+    rng = random.Random(seed * 100_003 + epoch)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    mega = global_batch * max(mega_batch, 1)
+    batches = []
+    for m in range(0, len(order), mega):
+        chunk = sorted(order[m:m + mega], key=lambda i: lengths[i])
+        batches += [chunk[b:b + global_batch] for b in range(0, len(chunk) - global_batch + 1, global_batch)]
+    rng.shuffle(batches)
+    return batches
+
+
+def micro_batches(batch: list[int], micro_batch_size: int, rank: int, world: int) -> list[list[int]]:
+    """This rank's micro-batches (its accumulation slots, in order) of one global batch."""
+    micro = [batch[k:k + micro_batch_size] for k in range(0, len(batch), micro_batch_size)]
+    return micro[rank::world]
+
+
+def collate(data: TrainData, positions: list[int], device) -> dict:
+    """Right-padded tensors of one micro-batch; offline adds aux (B, T, 3H) and last (B, T, H)."""
+    rows = [data.indices[p] for p in positions]
+    T = max(len(data.input_ids[r]) for r in rows)
+    B = len(rows)
+    input_ids = torch.zeros(B, T, dtype=torch.long)
+    attention_mask = torch.zeros(B, T, dtype=torch.long)
+    loss_mask = torch.zeros(B, T, dtype=torch.long)
+    for b, r in enumerate(rows):
+        n = len(data.input_ids[r])
+        input_ids[b, :n] = torch.tensor(data.input_ids[r], dtype=torch.long)
+        attention_mask[b, :n] = 1
+        loss_mask[b, :n] = torch.tensor(data.loss_mask[r], dtype=torch.long)
+    batch = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
+             "loss_mask": loss_mask.to(device)}
+    if data.hidden is not None:
+        feats = [data.hidden[r] for r in rows]
+        aux = torch.zeros(B, T, feats[0][0].shape[-1], dtype=feats[0][0].dtype)
+        last = torch.zeros(B, T, feats[0][1].shape[-1], dtype=feats[0][1].dtype)
+        for b, (a, l) in enumerate(feats):
+            n = min(a.shape[0], T)
+            aux[b, :n], last[b, :n] = a[:n], l[:n]
+        batch["aux"], batch["last"] = aux.to(device), last.to(device)
+    return batch

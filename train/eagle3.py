@@ -1,0 +1,155 @@
+"""The EAGLE-3 training step: target distributions, the training-time-test (TTT) unroll, the loss.
+
+Conventions (index t of a sequence x_0 .. x_{T-1}; f_t = the target's fused features at position t):
+
+    step 0, index t:  token x_{t+1},   hidden fc(f_t),                 position t
+    step i, index t:  token x_{t+1+i}, hidden = step i-1's PRE-norm output at t, position t+i
+    target at step i, index t: softmax(target logits at position t+1+i) over the draft vocab
+                               (t2d rows only, renormalised)
+    loss  = sum_i 0.8^i * soft-CE(target probs, draft log-probs), averaged over positions where
+            loss_mask[t+1+i] is set, t+1+i < T (inside the real sequence) and the target's argmax
+            is in the draft vocab
+
+Attention at step i: query t sees the step-0 keys 0..t and, in each later step j <= i, the key of
+its own index t (its own branch one position further on): `ttt_mask(T, i)` over a `ConcatKVCache`.
+So index t at step i is exactly what the drafter computes autoregressively after drafting i tokens
+from position t (tests/test_train_eagle3.py checks this against a step-by-step decode).
+
+Logged per step i: loss, accuracy (draft argmax mapped to target ids == target argmax) and the
+expected acceptance alpha_i = sum_v min(p_v, q_v), p the target's full-vocab probabilities on the
+draft tokens, q the draft's. Accuracy and alpha count every loss-masked position, including those
+whose target argmax lies outside the draft vocab (which the draft cannot get right).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.heads.eagle3 import ConcatKVCache, Eagle3Head, ttt_mask
+
+# Columns of the per-step statistics tensor `Eagle3Step.forward` returns, summed over positions.
+STATS = ("loss_sum", "loss_count", "correct", "alpha_sum", "metric_count")
+
+
+@dataclass
+class TargetSide:
+    """What the loss needs from the target, computed once per batch under no_grad."""
+
+    probs: torch.Tensor  # (B, T, Vd) target probabilities over the draft vocab, renormalised
+    in_mass: torch.Tensor  # (B, T) the target's full-vocab probability mass on the draft vocab
+    argmax: torch.Tensor  # (B, T) the target's argmax (target ids)
+    argmax_in_draft: torch.Tensor  # (B, T) bool
+
+
+class TargetHead:
+    """The frozen target lm_head split into draft-vocab rows and the rest (never trained, never wrapped).
+
+    Target logits over the draft vocab come from the draft rows only; the rest is used just for
+    the full-vocab argmax and normaliser, so no full-vocab tensor survives this call.
+    """
+
+    def __init__(self, lm_head_weight: torch.Tensor, t2d: torch.Tensor):
+        t2d = t2d.to(lm_head_weight.device)
+        self.draft_ids = torch.nonzero(t2d).squeeze(1)  # (Vd,) target ids, ascending
+        self.rest_ids = torch.nonzero(~t2d).squeeze(1)
+        self.w_draft = lm_head_weight[self.draft_ids].detach()  # (Vd, H)
+        self.w_rest = lm_head_weight[self.rest_ids].detach()  # (V - Vd, H)
+
+    @torch.no_grad()
+    def __call__(self, last_hidden: torch.Tensor) -> TargetSide:
+        """last_hidden (B, T, H): the target's post-final-norm hidden state."""
+        x = last_hidden.to(self.w_draft.dtype)
+        draft_logits = (x @ self.w_draft.T).float()  # (B, T, Vd)
+        lse_draft = torch.logsumexp(draft_logits, dim=-1)
+        best_draft, best_draft_i = draft_logits.max(dim=-1)
+        if self.rest_ids.numel():
+            rest_logits = (x @ self.w_rest.T).float()  # (B, T, V - Vd)
+            lse_full = torch.logaddexp(lse_draft, torch.logsumexp(rest_logits, dim=-1))
+            best_rest, best_rest_i = rest_logits.max(dim=-1)
+            in_draft = best_draft >= best_rest
+            argmax = torch.where(in_draft, self.draft_ids[best_draft_i], self.rest_ids[best_rest_i])
+        else:
+            lse_full, in_draft, argmax = lse_draft, torch.ones_like(lse_draft, dtype=torch.bool), self.draft_ids[best_draft_i]
+        probs = torch.softmax(draft_logits, dim=-1)
+        return TargetSide(probs, torch.exp(lse_draft - lse_full), argmax, in_draft)
+
+
+def ttt_unroll(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Tensor,
+               attention_mask: torch.Tensor, steps: int):
+    """Yield the draft logits (B, T, Vd) of each TTT step; index t of step i drafts x_{t+2+i}.
+
+    input_ids (B, T) right-padded, hidden (B, T, H) = head.fuse(aux), attention_mask (B, T).
+    """
+    B, T = input_ids.shape
+    device = input_ids.device
+    cache = ConcatKVCache()
+    positions = torch.arange(T, device=device)[None].expand(B, T)
+    key_ok = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T) padding keys of step 0
+    for i in range(steps):
+        tokens = F.pad(input_ids[:, 1 + i:], (0, 1 + i))  # index t: x_{t+1+i} (0 past the end)
+        later_keys = torch.ones(B, 1, 1, i * T, dtype=torch.bool, device=device)
+        mask = ttt_mask(T, i, device=device) & torch.cat([key_ok, later_keys], dim=-1)  # (B, 1, T, (i+1)T)
+        hidden, logits = head(tokens, hidden, positions + i, mask, cache)
+        yield logits
+
+
+def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                loss_mask: torch.Tensor, aux: torch.Tensor, target: TargetSide,
+                steps: int = 7, decay: float = 0.8) -> tuple[torch.Tensor, torch.Tensor]:
+    """The TTT loss of one micro-batch and its statistics (steps, len(STATS)) for logging."""
+    B, T = input_ids.shape
+    valid = loss_mask.bool() & attention_mask.bool()  # (B, T): positions whose target counts
+    hidden = head.fuse(aux)  # (B, T, H)
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    stats = []
+    for i, logits in enumerate(ttt_unroll(head, input_ids, hidden, attention_mask, steps)):
+        k = 1 + i  # index t is scored against the target at position t + k
+        n = max(T - k, 0)  # indices whose target lies inside the sequence
+        q_logits = logits[:, :n].float()  # (B, n, Vd)
+        p = target.probs[:, k:]  # (B, n, Vd)
+        m_metric = valid[:, k:]
+        m_loss = m_metric & target.argmax_in_draft[:, k:]
+        ce = F.cross_entropy(q_logits.reshape(-1, q_logits.shape[-1]), p.reshape(-1, p.shape[-1]),
+                             reduction="none").view(B, n)
+        n_loss = m_loss.sum()
+        loss_i = (ce * m_loss).sum() / n_loss.clamp(min=1)
+        loss = loss + decay ** i * loss_i
+        with torch.no_grad():
+            q = torch.softmax(q_logits, dim=-1)
+            draft_top = head.draft_to_target(q_logits.argmax(dim=-1))
+            correct = (draft_top == target.argmax[:, k:]) & m_metric
+            alpha = torch.minimum(q, p * target.in_mass[:, k:, None]).sum(-1)  # (B, n)
+            stats.append(torch.stack([loss_i.detach() * n_loss, n_loss.float(), correct.sum().float(),
+                                      (alpha * m_metric).sum(), m_metric.sum().float()]))
+    return loss, torch.stack(stats)
+
+
+class Eagle3Step(nn.Module):
+    """The trainable module the trainer wraps: the head plus its loss (the target stays outside).
+
+    forward(batch) -> (loss, stats); batch holds input_ids, attention_mask, loss_mask, aux and the
+    TargetSide computed by `target_side` beforehand.
+    """
+
+    def __init__(self, head: Eagle3Head, steps: int, decay: float):
+        super().__init__()
+        self.head, self.steps, self.decay = head, steps, decay
+
+    def forward(self, input_ids, attention_mask, loss_mask, aux, target: TargetSide):
+        return eagle3_loss(self.head, input_ids, attention_mask, loss_mask, aux, target, self.steps, self.decay)
+
+
+def summarize(stats: torch.Tensor) -> dict:
+    """Per-step metrics from summed statistics (steps, len(STATS)) (summed over micro-batches / ranks)."""
+    s = stats.double()
+    out = {}
+    for i in range(s.shape[0]):
+        loss_sum, loss_count, correct, alpha_sum, metric_count = s[i].tolist()
+        out[f"loss_{i}"] = loss_sum / max(loss_count, 1)
+        out[f"acc_{i}"] = correct / max(metric_count, 1)
+        out[f"alpha_{i}"] = alpha_sum / max(metric_count, 1)
+    return out

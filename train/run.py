@@ -1,0 +1,155 @@
+"""`draftsmith train`: a data-gen folder -> a trained EAGLE-3 head in out/final (+ checkpoints, metrics).
+
+    draftsmith train method=eagle3 target=smollm2 data=runs/smol out=runs/eagle3
+    torchrun --nproc_per_node 2 -m draftsmith.cli train ... deepspeed=zero2
+
+Modes: online (the target runs in this process, features per batch under no_grad) and offline
+(features read from the data's hidden_states/; the target is loaded once for its embeddings and
+lm_head, then only the lm_head is kept to recompute target logits). auto = offline when the data
+has hidden states.
+
+run(cfg) returns {"out", "final", "mode", "steps", "metrics" (last step), "val" (held-out, if any)}.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from draftsmith import DraftsmithError
+from draftsmith.data_gen.manifest import atomic_write_bytes, atomic_write_json
+from draftsmith.data_gen.target import load_target
+from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
+from draftsmith.heads.vocab import build_vocab_map, count_tokens
+from draftsmith.train import checkpoint as ckpt
+from draftsmith.train.data import load_data
+from draftsmith.train.eagle3 import Eagle3Step, TargetHead, summarize
+from draftsmith.train.trainer import (Logger, autocast, evaluate, init_distributed, load_checkpoint,
+                                      train_loop, wrap_for_training)
+
+METHODS = ("eagle3",)
+
+
+def validate(cfg) -> None:
+    """Refuse bad option values with one sentence naming the option."""
+    if cfg.method not in METHODS:
+        raise DraftsmithError(f"method={cfg.method!r} is not one of {', '.join(METHODS)}.")
+    if cfg.data in (None, "???", ""):
+        raise DraftsmithError("data= is required: a data-gen output folder.")
+    if cfg.precision not in ("fp32", "bf16", "fp16"):
+        raise DraftsmithError(f"precision={cfg.precision!r} must be fp32, bf16 or fp16.")
+    if cfg.precision == "fp16" and cfg.deepspeed == "none":
+        raise DraftsmithError("precision=fp16 needs DeepSpeed's loss scaling; use deepspeed=zero1/2/3 or precision=bf16.")
+    if cfg.ttt_steps < 1:
+        raise DraftsmithError(f"ttt_steps={cfg.ttt_steps} must be at least 1.")
+    for name in ("micro_batch_size", "grad_accum", "save_every", "keep_last"):
+        if getattr(cfg, name) < 1:
+            raise DraftsmithError(f"{name}={getattr(cfg, name)} must be at least 1.")
+
+
+def compat_fields(cfg, identity: dict, draft_vocab: int, world: int, n_train: int, total_steps: int) -> dict:
+    """What a checkpoint must share with this run for exact resume."""
+    return {"method": cfg.method, "target_hash": identity["target_hash"], "tokenizer_hash": identity["tokenizer_hash"],
+            "hidden_size": identity["hidden_size"], "draft_vocab_size": draft_vocab, "ttt_steps": cfg.ttt_steps,
+            "deepspeed": cfg.deepspeed, "world_size": world, "micro_batch_size": cfg.micro_batch_size,
+            "grad_accum": cfg.grad_accum, "train_samples": n_train, "total_steps": total_steps,
+            "precision": cfg.precision, "seed": cfg.seed}
+
+
+def save_final(head: Eagle3Head, folder: Path, identity: dict) -> Path:
+    """The trained head in the engine format (heads/checkpoint.py)."""
+    try:
+        from draftsmith.heads.checkpoint import save_eagle3
+    except ImportError:  # until heads/checkpoint.py lands: weights + config only
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(folder / "model.safetensors"))
+        atomic_write_bytes(folder / "config.json", head.config.to_json_string().encode())
+        return folder
+    save_eagle3(head, folder, manifest_target=identity)
+    return folder
+
+
+def run(cfg) -> dict:
+    """Train; see the module docstring for what comes back."""
+    if not OmegaConf.is_config(cfg):
+        cfg = OmegaConf.structured(cfg)
+    validate(cfg)
+    out = Path(cfg.out)
+    rank, world = init_distributed(cfg)
+    target = load_target(cfg.target)
+    identity = target.identity()
+    train, val, mode = load_data(cfg.data, identity, cfg.mode, cfg.max_length, cfg.val_samples)
+
+    global_batch = cfg.micro_batch_size * cfg.grad_accum * world
+    batches_per_epoch = len(train.indices) // global_batch
+    if batches_per_epoch == 0:
+        raise DraftsmithError(f"the data has {len(train.indices)} training samples, fewer than one global batch "
+                              f"(micro_batch_size x grad_accum x world_size = {global_batch}).")
+    total_steps = cfg.max_steps if cfg.max_steps is not None else cfg.epochs * batches_per_epoch
+    draft_vocab = min(cfg.draft_vocab_size, target.vocab_size)
+    compat = compat_fields(cfg, identity, draft_vocab, world, len(train.indices), total_steps)
+
+    # Resume (checked before anything is written) or a fresh run in a folder without checkpoints.
+    resume = ckpt.resolve_resume(cfg.resume, out)
+    if resume is not None:
+        state = ckpt.read_state(resume)
+        ckpt.check_compatible(state, compat, resume)
+        from safetensors.torch import load_file
+
+        saved = load_file(str(resume / "head.safetensors"))
+        d2t, t2d = saved["d2t"], saved["t2d"]  # never rebuilt on resume
+    else:
+        if ckpt.list_checkpoints(out):
+            raise DraftsmithError(f"out={str(out)!r} already holds training checkpoints; pass resume=true or choose another out.")
+        state = {"step": 0}
+        rows = train.indices
+        counts = count_tokens((train.input_ids[i] for i in rows), (train.loss_mask[i] for i in rows), target.vocab_size)
+        d2t, t2d = build_vocab_map(counts, draft_vocab)
+
+    head = Eagle3Head(eagle3_config_from_target(target.model.config, draft_vocab))
+    head.init_from_target(target.model, d2t, t2d)
+    head.to(cfg.device)
+    target_head = TargetHead(target.model.get_output_embeddings().weight, head.t2d)
+    if mode == "offline":
+        target = None  # the lm_head rows live on in target_head; the body is not needed
+
+    def prepare(batch: dict) -> dict:
+        """Add the target side (features in online mode, distributions always) under no_grad."""
+        with torch.no_grad():
+            if mode == "online":
+                with autocast(cfg):
+                    aux, last = target.features(batch["input_ids"], batch["attention_mask"])
+            else:
+                aux, last = batch.pop("aux"), batch.pop("last")
+            batch.pop("last", None)
+            return {**batch, "aux": aux, "target": target_head(last)}
+
+    w = wrap_for_training(Eagle3Step(head, cfg.ttt_steps, cfg.ttt_decay), cfg, world, total_steps)
+    if resume is not None:
+        load_checkpoint(w, resume, rank)
+
+    config_dict = OmegaConf.to_container(cfg, resolve=True)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
+    logger = Logger(cfg, out, rank, total_steps, state["step"], config_dict)
+    try:
+        record = train_loop(w, cfg, train, prepare, summarize, out, rank, world, total_steps, state["step"],
+                            {"method": cfg.method, "compat": compat, "mode": mode, "config": config_dict}, logger)
+        val_metrics = evaluate(w, val, prepare, summarize, cfg, world) if val is not None else {}
+        final = out / "final"
+        with w.full_weights() as sd:
+            if rank == 0:
+                head_cpu = Eagle3Head(head.config)
+                head_cpu.load_state_dict({k: v.cpu() for k, v in sd.items()})
+                save_final(head_cpu, final, identity)
+    finally:
+        logger.close()
+    if rank == 0 and val_metrics:
+        atomic_write_json(out / "val_metrics.json", val_metrics)
+    return {"out": str(out), "final": str(final), "mode": mode, "steps": total_steps, "metrics": record,
+            "val": val_metrics, "rank": rank, "world_size": world}

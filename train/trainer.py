@@ -1,0 +1,293 @@
+"""The one trainer: distributed setup, wrapping a built module for training, the loop, checkpoints.
+
+    init_distributed  -> (rank, world)   torchrun / deepspeed launchers, or a single process
+    wrap_for_training -> Wrapped         DeepSpeed ZeRO 1/2/3 engine, or plain torch (DDP when world > 1)
+    train_loop        -> dict            LR -> micro-steps -> clip + step -> log -> checkpoint
+
+The method's step (train/eagle3.py) is a module `forward(**batch) -> (loss, stats)`; the frozen
+target never enters it: `prepare(batch)` computes the target side under no_grad before forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from draftsmith import DraftsmithError
+from draftsmith.data_gen.manifest import atomic_write_json
+from draftsmith.train import checkpoint as ckpt
+from draftsmith.train.data import TrainData, batch_order, collate, micro_batches
+
+DS_CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "deepspeed"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(cfg) -> tuple[int, int]:
+    """(rank, world_size). Launched by torchrun / deepspeed (env vars set) or as one plain process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.deepspeed == "none" and world == 1:
+        return 0, 1
+    if world == 1:  # DeepSpeed needs a process group even alone
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = "gloo" if cfg.device == "cpu" else "nccl"
+    if not dist.is_initialized():
+        if cfg.deepspeed == "none":
+            dist.init_process_group(backend)
+        else:
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend=backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def cosine_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
+    """Linear warmup to 1, then cosine down to min_ratio at `total` steps."""
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+def deepspeed_config(cfg, world: int) -> dict:
+    """configs/deepspeed/<name>.json (or a path) completed with this run's batch, clipping and precision."""
+    path = Path(cfg.deepspeed) if cfg.deepspeed.endswith(".json") else DS_CONFIGS / f"{cfg.deepspeed}.json"
+    if not path.is_file():
+        names = sorted(p.stem for p in DS_CONFIGS.glob("*.json"))
+        raise DraftsmithError(f"deepspeed={cfg.deepspeed!r} is not none, one of {names}, nor a JSON file.")
+    conf = json.loads(path.read_text())
+    conf.update(train_micro_batch_size_per_gpu=cfg.micro_batch_size, gradient_accumulation_steps=cfg.grad_accum,
+                train_batch_size=cfg.micro_batch_size * cfg.grad_accum * world, gradient_clipping=cfg.grad_clip)
+    if cfg.precision == "fp16":
+        conf["fp16"] = {"enabled": True, "initial_scale_power": 16}
+    return conf
+
+
+@dataclass
+class Wrapped:
+    """A module ready to train: forward / backward / step look the same for DeepSpeed and plain torch."""
+
+    module: nn.Module  # the raw method module (weights, state_dict)
+    model: nn.Module  # what forward is called on: DeepSpeed engine, DDP or the module itself
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    engine: Optional[object]  # the DeepSpeed engine, or None
+    grad_accum: int
+    grad_clip: float
+    _micro: int = 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.engine is not None:
+            self.engine.backward(loss)  # scales by 1 / grad_accum itself
+        else:
+            (loss / self.grad_accum).backward()
+
+    def micro_step(self) -> None:
+        """Call after every micro-batch; the optimizer steps every grad_accum of them."""
+        if self.engine is not None:
+            self.engine.step()
+            return
+        self._micro += 1
+        if self._micro % self.grad_accum == 0:
+            if self.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    @contextlib.contextmanager
+    def full_weights(self):
+        """Yield the head's full state dict (ZeRO-3 gathers the partitions on every rank)."""
+        if self.engine is not None and self.engine.zero_optimization_stage() == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
+                yield {k: v.detach().clone() for k, v in self.module.head.state_dict().items()}
+        else:
+            yield self.module.head.state_dict()
+
+
+def wrap_for_training(module: nn.Module, cfg, world: int, total_steps: int) -> Wrapped:
+    """The one function that turns a built module into something trainable (DeepSpeed or plain torch)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    warmup = max(1, int(cfg.warmup_ratio * total_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_lambda(warmup, total_steps, cfg.min_lr_ratio))
+    if cfg.deepspeed == "none":
+        model = module
+        if world > 1:
+            model = nn.parallel.DistributedDataParallel(module)
+        return Wrapped(module, model, optimizer, scheduler, None, cfg.grad_accum, cfg.grad_clip)
+    # bf16 is autocast around forward: DeepSpeed keeps fp32 weights and optimizer state.
+    import deepspeed
+
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=module, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler,
+        config=deepspeed_config(cfg, world))
+    return Wrapped(module, engine, optimizer, scheduler, engine, cfg.grad_accum, cfg.grad_clip)
+
+
+def autocast(cfg):
+    """bf16 mixed precision by autocast (fp32 master weights); a nullcontext otherwise."""
+    if cfg.precision == "bf16":
+        return torch.autocast(device_type=torch.device(cfg.device).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _all_reduce(t: torch.Tensor, world: int) -> torch.Tensor:
+    if world > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def save_checkpoint(w: Wrapped, out: Path, step: int, state: dict, rank: int, world: int, keep_last: int) -> None:
+    """All ranks: write the temp folder; rank 0 publishes it once everyone is done."""
+    tmp = ckpt.tmp_path(out, step)
+    if rank == 0:
+        tmp.mkdir(parents=True, exist_ok=True)
+    if world > 1:
+        dist.barrier()
+    if w.engine is not None:
+        w.engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", save_latest=False)
+    elif rank == 0:
+        ckpt.save_optimizer(w.optimizer, tmp)
+    ckpt.write_rng(tmp, rank)
+    with w.full_weights() as sd:
+        if rank == 0:
+            ckpt.write_common(tmp, sd, state, w.scheduler.state_dict())
+    if world > 1:
+        dist.barrier()
+    if rank == 0:
+        ckpt.publish(out, step, keep_last)
+    if world > 1:
+        dist.barrier()
+
+
+def load_checkpoint(w: Wrapped, path: Path, rank: int) -> None:
+    """Restore weights, optimizer, scheduler and this rank's RNG from a checkpoint this code wrote."""
+    from safetensors.torch import load_file
+
+    if w.engine is not None:
+        w.engine.load_checkpoint(str(path / "deepspeed"), tag="state", load_optimizer_states=True,
+                                 load_lr_scheduler_states=True)
+    else:
+        w.module.head.load_state_dict(load_file(str(path / "head.safetensors")), strict=True)
+        ckpt.load_optimizer(w.optimizer, path)
+    w.scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
+    ckpt.read_rng(path, rank)
+
+
+class Logger:
+    """metrics.jsonl + wandb + a tqdm bar, on rank 0 only."""
+
+    def __init__(self, cfg, out: Path, rank: int, total: int, start: int, config_dict: dict):
+        self.rank, self.path, self.bar, self.run = rank, out / "metrics.jsonl", None, None
+        if rank != 0:
+            return
+        if cfg.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+        mode = cfg.wandb.mode
+        if mode == "auto":
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        if mode != "disabled":
+            import wandb
+
+            self.run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name, mode=mode, dir=str(out),
+                                  config=config_dict, resume="allow")
+
+    def log(self, record: dict) -> None:
+        if self.rank != 0:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.run is not None:
+            self.run.log(record, step=record["step"])
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record.get('acc_0', 0):.3f}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.run is not None:
+            self.run.finish()
+
+
+def evaluate(w: Wrapped, data: TrainData, prepare: Callable, summarize: Callable, cfg, world: int) -> dict:
+    """Per-step metrics over a held-out split (every rank evaluates it all: it is small)."""
+    w.module.eval()
+    total = None
+    with torch.no_grad():
+        for start in range(0, len(data.indices), cfg.micro_batch_size):
+            batch = prepare(collate(data, list(range(start, min(start + cfg.micro_batch_size, len(data.indices)))),
+                                    cfg.device))
+            with autocast(cfg):
+                _, stats = w.module(**batch)
+            total = stats if total is None else total + stats
+    w.module.train()
+    return {f"val_{k}": v for k, v in summarize(total).items()}
+
+
+def train_loop(w: Wrapped, cfg, data: TrainData, prepare: Callable, summarize: Callable, out: Path,
+               rank: int, world: int, total_steps: int, start_step: int, state_extra: dict,
+               logger: Logger) -> dict:
+    """Run optimizer steps start_step..total_steps; returns the last logged record."""
+    global_batch = cfg.micro_batch_size * cfg.grad_accum * world
+    batches_per_epoch = len(data.indices) // global_batch
+    lengths = data.lengths()
+    record: dict = {}
+    step = start_step
+    w.module.train()
+    while step < total_steps:
+        epoch, b = divmod(step, batches_per_epoch)
+        t0 = time.perf_counter()
+        order = batch_order(lengths, global_batch, cfg.mega_batch, cfg.seed, epoch)
+        stats_sum, loss_sum, tokens = None, torch.zeros(()), torch.zeros(())
+        for positions in micro_batches(order[b], cfg.micro_batch_size, rank, world):
+            batch = prepare(collate(data, positions, cfg.device))
+            with autocast(cfg):
+                loss, stats = w.model(**batch)
+            w.backward(loss)
+            w.micro_step()
+            loss_sum += loss.detach().float().cpu()
+            tokens += batch["attention_mask"].sum().cpu()
+            stats_sum = stats if stats_sum is None else stats_sum + stats
+        step += 1
+        reduced = _all_reduce(torch.cat([loss_sum[None], tokens[None].float(), stats_sum.flatten().cpu()]), world)
+        dt = time.perf_counter() - t0
+        record = {"step": step, "epoch": epoch, "loss": reduced[0].item() / (cfg.grad_accum * world),
+                  "lr": w.scheduler.get_last_lr()[0], "tokens": int(reduced[1].item()),
+                  "step_s": round(dt, 4), "tokens_per_s": round(reduced[1].item() / dt, 1),
+                  **summarize(reduced[2:].view_as(stats_sum))}
+        if step % cfg.log_every == 0 or step == total_steps:
+            logger.log(record)
+        if step % cfg.save_every == 0 or step == total_steps:
+            state = {**state_extra, "step": step, "epoch": step // batches_per_epoch,
+                     "batch_in_epoch": step % batches_per_epoch, "metrics": record}
+            save_checkpoint(w, out, step, state, rank, world, cfg.keep_last)
+        if cfg.fail_at_step is not None and step == cfg.fail_at_step:
+            raise RuntimeError(f"fail_at_step={step}: simulated crash")
+    return record
