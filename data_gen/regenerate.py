@@ -190,17 +190,19 @@ def make_backend(target, cfg: BackendConfig, params: SamplingParams):
 # --- conversations ------------------------------------------------------------------------------
 
 def user_segments(messages: list[dict]) -> list[list[dict]]:
-    """The non-assistant messages before each assistant turn: [sys,u1,a1,u2] -> [[sys,u1],[u2]]."""
+    """The messages each assistant turn answers, ending at a user turn: [sys,u1,a1,u2] -> [[sys,u1],[u2]].
+
+    Source assistant turns are dropped (they are regenerated); consecutive user turns (MT-bench
+    `turns`) each get their own answer.
+    """
     segments, current = [], []
     for m in messages:
         if m["role"] == "assistant":
-            if current:
-                segments.append(current)
+            continue
+        current.append(m)
+        if m["role"] == "user":
+            segments.append(current)
             current = []
-        else:
-            current.append(m)
-    if current and any(m["role"] == "user" for m in current):
-        segments.append(current)
     return segments
 
 
