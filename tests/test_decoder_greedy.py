@@ -1,0 +1,119 @@
+"""Greedy speculative decoding is token-identical to target-only greedy and to HF generate."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftsmith import DraftsmithError
+from draftsmith.data_gen.target import TargetConfig, load_target
+from draftsmith.eval.decoder import DraftingConfig, SamplingConfig, speculative_generate
+from draftsmith.eval.proposers import make_proposer
+from draftsmith.eval.target_runner import TargetRunner
+from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
+
+GREEDY = SamplingConfig()
+CHAIN = DraftingConfig(mode="chain", num_speculative_tokens=4)
+TREE = DraftingConfig(mode="tree", num_speculative_tokens=4, tree_top_k=3, tree_budget=10)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target = load_target(TargetConfig(name="tiny", dtype="float64"))
+    return target, TargetRunner(target.model, 256, target.aux_layer_ids)
+
+
+def _repetitive_prompt(n=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, 256, (6,), generator=g)
+    return torch.cat([base, base, base, base])[:n]
+
+
+def _draft_llama(vocab, seed):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(cfg).double().eval()
+
+
+def _eagle_head(target, draft_vocab=200, seed=0):
+    torch.manual_seed(seed)
+    head = Eagle3Head(eagle3_config_from_target(target.model.config, draft_vocab)).double().eval()
+    used = torch.sort(torch.randperm(target.vocab_size)[:draft_vocab]).values
+    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+    t2d[used] = True
+    head.init_from_target(target.model, used - torch.arange(draft_vocab), t2d)
+    return head
+
+
+def _proposers(target):
+    return {
+        "ngram": make_proposer("ngram", target, max_ngram=3),
+        "eagle3": make_proposer("eagle3", target, head=_eagle_head(target)),
+        "draft_model": make_proposer("draft_model", target, model=_draft_llama(target.vocab_size, 1)),
+        # A draft model identical to the target: every draft is accepted (exercises the bonus path).
+        "self": make_proposer("draft_model", target, model=target.model),
+    }
+
+
+@pytest.mark.parametrize("drafting", [CHAIN, TREE], ids=["chain", "tree"])
+def test_greedy_matches_target_only_and_hf_generate(tiny, drafting):
+    target, runner = tiny
+    proposers = _proposers(target)
+    for seed in range(3):
+        prompt = _repetitive_prompt(seed=seed)
+        ref = speculative_generate(runner, None, prompt, 40, GREEDY, drafting, eos_token_ids=[])
+        hf = target.model.generate(prompt[None], attention_mask=torch.ones(1, prompt.numel(), dtype=torch.long),
+                                   max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert ref.tokens == hf[0, prompt.numel():].tolist()
+        assert ref.n_verifications == 39
+        for name, proposer in proposers.items():
+            res = speculative_generate(runner, proposer, prompt, 40, GREEDY, drafting, eos_token_ids=[])
+            assert res.tokens == ref.tokens, (name, seed)
+            assert len(res.tokens) == 40
+            if name == "self":
+                assert res.n_verifications < 39 / 3
+
+
+def test_eos_and_max_new_tokens_truncate_exactly(tiny):
+    target, runner = tiny
+    prompt = _repetitive_prompt()
+    ref = speculative_generate(runner, None, prompt, 30, GREEDY, CHAIN, eos_token_ids=[])
+    eos = ref.tokens[7]
+    first = ref.tokens.index(eos)
+    self_draft = make_proposer("draft_model", target, model=target.model)
+    for proposer in (None, self_draft):
+        res = speculative_generate(runner, proposer, prompt, 30, GREEDY, CHAIN, eos_token_ids=[eos])
+        assert res.tokens == ref.tokens[: first + 1]
+        for n in (1, 2, 5, 13):
+            res = speculative_generate(runner, proposer, prompt, n, GREEDY, CHAIN, eos_token_ids=[])
+            assert res.tokens == ref.tokens[:n]
+
+
+def test_stats_are_consistent(tiny):
+    target, runner = tiny
+    prompt = _repetitive_prompt()
+    res = speculative_generate(runner, make_proposer("draft_model", target, model=target.model), prompt, 21,
+                               GREEDY, CHAIN, eos_token_ids=[])
+    assert sum(res.emitted_per_verification) + 1 == len(res.tokens) == 21
+    assert res.accepted_per_position == res.proposed_per_position  # a perfect drafter
+    assert res.tau > 4
+
+
+@pytest.mark.parametrize("kw", [dict(num_speculative_tokens=0), dict(num_speculative_tokens=1000),
+                                dict(mode="beam"), dict(mode="tree", tree_top_k=0),
+                                dict(mode="tree", tree_budget=0)])
+def test_bad_drafting_config(kw):
+    with pytest.raises(DraftsmithError):
+        DraftingConfig(**kw)
+
+
+def test_bad_inputs(tiny):
+    target, runner = tiny
+    with pytest.raises(DraftsmithError):
+        SamplingConfig(temperature=-1)
+    with pytest.raises(DraftsmithError):
+        SamplingConfig(top_p=0)
+    with pytest.raises(DraftsmithError):
+        make_proposer("medusa", target)
+    with pytest.raises(DraftsmithError):
+        speculative_generate(runner, None, torch.tensor([1, 2]), 10_000, GREEDY, CHAIN, eos_token_ids=[])
