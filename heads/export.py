@@ -45,7 +45,7 @@ SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config schema thi
 class ExportConfig:
     head: str = "???"  # folder written by `draftsmith train` (an EAGLE-3 folder)
     format: str = "eagle3"  # eagle3 | speculators
-    out: str = "${head}-${format}"
+    out: Optional[str] = None  # default: beside the head, `<head>-<format>`
     # speculators: the verifier's HF id or folder (default: the target id in the head's manifest)
     verifier: Optional[str] = None
     speculative_tokens: int = 3  # speculators: the greedy proposal's default length
@@ -151,9 +151,10 @@ def run(cfg) -> Path:
         raise DraftsmithError("export.head is not set: pass head=<folder written by draftsmith train>.")
     if cfg.format not in FORMATS:
         raise DraftsmithError(f"export.format={cfg.format!r} is not one of {list(FORMATS)}.")
-    head_dir, out = Path(cfg.head), Path(cfg.out)
-    if out.resolve() == head_dir.resolve():
-        raise DraftsmithError(f"export.out={cfg.out} is the head folder itself; choose another folder.")
+    head_dir = Path(cfg.head)
+    out = Path(cfg.out) if cfg.out else head_dir.with_name(f"{head_dir.name}-{cfg.format}")
+    if out.resolve() == head_dir.resolve() or head_dir.resolve() in out.resolve().parents:
+        raise DraftsmithError(f"export.out={out} is inside the head folder {head_dir}; choose another folder.")
     dtype = torch_dtype(cfg.dtype)
     head = load_eagle3(head_dir)
     target = read_manifest(head_dir).get("target") if (head_dir / MANIFEST).is_file() else None

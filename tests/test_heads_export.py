@@ -72,15 +72,24 @@ def test_run_with_a_plain_dataclass_returns_the_path(head_folder, tmp_path):
     assert torch.equal(tensors_of(out)["fc.weight"], tensors_of(head_folder)["fc.weight"])
 
 
+def test_default_out_is_beside_the_head(head_folder):
+    out = run(ExportConfig(head=f"{head_folder}/", format="speculators"))
+    assert out == head_folder.with_name("trained-speculators") and (out / "config.json").is_file()
+
+
 @pytest.mark.parametrize("overrides, words", [
     (["head=/no/such/head"], "/no/such/head does not exist"),
     ([], "export.head is not set"),
     (["head={head}", "format=onnx"], "export.format='onnx'"),
+    (["head={head}", "out={head}/inside"], "is inside the head folder"),
 ])
 def test_cli_errors_are_one_sentence_and_exit_2(head_folder, tmp_path, capsys, overrides, words):
     out = tmp_path / "o"
+    args = [o.format(head=head_folder) for o in overrides]
+    args += [] if any(a.startswith("out=") for a in args) else [f"out={out}"]
     with pytest.raises(SystemExit) as e:
-        main(["export", f"out={out}", *(o.format(head=head_folder) for o in overrides)])
+        main(["export", *args])
+    assert sorted(p.name for p in head_folder.iterdir()) == ["config.json", "manifest.json", "model.safetensors"]
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert words in err and len(err.splitlines()) == 1
