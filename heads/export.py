@@ -23,7 +23,6 @@ from draftsmith.data_gen.manifest import MANIFEST, atomic_write_json, read_manif
 from draftsmith.data_gen.target import torch_dtype
 from draftsmith.heads.checkpoint import (
     CONFIG,
-    EMBED,
     FIXED_DTYPES,
     WEIGHTS,
     atomic_folder,
