@@ -11,6 +11,10 @@ python -m pip install -q --upgrade pip setuptools wheel
 python -m pip install -q torch==2.13.0
 # DeepSpeed builds no C++/CUDA ops at install time; on CPU it runs with the gloo backend.
 DS_BUILD_OPS=0 python -m pip install -q -e ".[dev]"
+# speculators (vLLM's format) is the outside check of our export in the tests. Its metadata pins
+# older transformers/datasets and would move torch: install it without deps, then what it imports.
+python -m pip install -q --no-deps "speculators==0.9.*"
+python -m pip install -q aiohttp click loguru openai protobuf psutil pydantic-settings httpx hs-connectors
 python - <<'PY'
 import torch, draftsmith
 assert torch.__version__.startswith("2.13.0"), f"expected torch 2.13.0, got {torch.__version__}"
