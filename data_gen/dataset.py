@@ -41,6 +41,8 @@ def load_tokenized(data_dir: str | Path, target_identity: dict | None = None):
         raise DraftsmithError(f"{data_dir} was produced by stage {stage!r}, not by data-gen.")
     if target_identity is not None:
         check_same_target(manifest["target"], target_identity, where=f"the data in {data_dir}")
+    if manifest.get("counts", {}).get("samples") == 0:
+        raise DraftsmithError(f"the tokenized set in {data_dir} is empty.")
     ds = datasets.load_from_disk(str(data_dir / "tokenized"))
     if len(ds) == 0:
         raise DraftsmithError(f"the tokenized set in {data_dir} is empty.")

@@ -79,7 +79,8 @@ def save_dataset_atomic(rows: list[dict], features, folder: Path) -> None:
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
-        datasets.Dataset.from_list(rows, features=features).save_to_disk(str(tmp))
+        columns = {k: [r[k] for r in rows] for k in features}  # (from_list drops the schema of an empty set)
+        datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(tmp))
     finally:
         if bars:
             datasets.enable_progress_bars()
@@ -140,10 +141,13 @@ def merge_parts(out: Path, world: int) -> dict:
     convs, rows, counts = [], [], {k: 0 for k in COUNT_KEYS}
     for r in range(world):
         part = out / "parts" / f"rank{r:05d}"
+        part_counts = mf_read_json(part / STATE)
+        for k, v in part_counts.items():
+            counts[k] += v
+        if part_counts["samples"] == 0:  # (datasets cannot load an empty set back)
+            continue
         convs += datasets.load_from_disk(str(part / "conversations")).to_list()
         rows += datasets.load_from_disk(str(part / "tokenized")).to_list()
-        for k, v in mf_read_json(part / STATE).items():
-            counts[k] += v
     convs.sort(key=lambda c: c["order"])
     rows.sort(key=lambda c: c["order"])
     write_sets(out, convs, rows, counts, keep_order=False)
@@ -187,6 +191,8 @@ def run(cfg) -> dict:
     if world == 1 and not reuse:
         (out / mf.MANIFEST).unlink(missing_ok=True)  # from here on the folder is not complete
         conversations, rows, counts = generate_part(cfg, target, samples)
+        if not rows:
+            raise DraftsmithError(f"no sample survived data-gen ({_count(rows, counts, n_prompts)}); nothing written.")
         write_sets(out, conversations, rows, _count(rows, counts, n_prompts), keep_order=False)
     elif world > 1:
         part = out / "parts" / f"rank{rank:05d}"
