@@ -5,8 +5,8 @@ Sources (`prompts.source`):
   - `sharegpt`: JSONL rows `{conversations: [{from, value}]}` (user turns: from = human | user);
   - `openai`:   JSONL rows `{messages: [{role, content}]}` (user turns: role = user);
   - `holdout`:  the held-out prompts of a data-gen output folder (`prompts.path=<data-gen out>`):
-    the LAST `prompts.holdout` rows of its `conversations` dataset, i.e. the rows whose index is
-    >= n_rows - holdout. The demo trains on the other rows only (see `draftsmith.eval.demo`).
+    the conversations of the LAST `prompts.holdout` rows of its tokenized set, i.e. the rows
+    `draftsmith train val_samples=<holdout>` holds out and never trains on (the demo does that).
 
 Only the user turns are kept: the decoder writes every assistant turn itself, so a second turn
 is conditioned on the decoder's own first answer (`prompts.multi_turn=true`).
@@ -108,7 +108,11 @@ def read_jsonl(path: str | Path, source: str) -> list[EvalPrompt]:
 
 
 def read_holdout(folder: str | Path, holdout: int) -> list[EvalPrompt]:
-    """The last `holdout` rows of a data-gen output's conversations (rows never used for training)."""
+    """The prompts of the last `holdout` tokenized rows of a data-gen output (train's `val_samples`).
+
+    Those are the rows `draftsmith train val_samples=<holdout>` never trains on. The rows are
+    matched to conversations by id; without a tokenized/ folder, the last conversations are used.
+    """
     from datasets import load_from_disk
 
     folder = Path(folder)
@@ -116,19 +120,26 @@ def read_holdout(folder: str | Path, holdout: int) -> list[EvalPrompt]:
     if not conv_dir.is_dir():
         raise DraftsmithError(f"prompts.path={str(folder)!r} is not a data-gen output: it has no conversations/ folder.")
     ds = load_from_disk(str(conv_dir))
-    n = len(ds)
-    if not 0 < holdout < n:
-        raise DraftsmithError(
-            f"prompts.holdout={holdout} must be between 1 and {n - 1} (the data-gen output has {n} conversations).")
     key = next((k for k in ("messages", "conversations") if k in ds.column_names), None)
     if key is None:
         raise DraftsmithError(f"{conv_dir} has neither a `messages` nor a `conversations` column.")
+    tok_dir = folder / "tokenized"
+    ids = load_from_disk(str(tok_dir))["id"] if tok_dir.is_dir() else None
+    n = len(ids) if ids is not None else len(ds)
+    if not 0 < holdout < n:
+        raise DraftsmithError(f"prompts.holdout={holdout} must be between 1 and {n - 1} (the data-gen output "
+                              f"in {folder} has {n} samples).")
+    if ids is not None:
+        row_of = {str(i): r for r, i in enumerate(ds["id"])}
+        rows = [row_of[str(i)] for i in ids[n - holdout:] if str(i) in row_of]
+    else:
+        rows = list(range(n - holdout, n))
     role_key, text_key = ("role", "content") if key == "messages" else ("from", "value")
     prompts = []
-    for i in range(n - holdout, n):
-        row = ds[i]
-        p = _parse_chat(row, conv_dir, i, key, role_key, text_key)
-        p.id = str(row.get("id", i))
+    for r in rows:
+        row = ds[r]
+        p = _parse_chat(row, conv_dir, r, key, role_key, text_key)
+        p.id = str(row.get("id", r))
         p.category = str(row.get("category") or "self")
         prompts.append(p)
     return prompts

@@ -89,6 +89,11 @@ def test_holdout_reads_last_rows_of_data_gen_conversations(tmp_path):
     cfg.holdout = 10
     with pytest.raises(DraftsmithError, match="holdout"):
         load_prompts(cfg)
+    # with a tokenized set: the conversations of its last rows (train's val_samples), matched by id
+    tok = [{"id": f"s{i}", "input_ids": [1, 2], "loss_mask": [0, 1]} for i in range(10) if i != 8]
+    datasets.Dataset.from_list(tok).save_to_disk(str(tmp_path / "tokenized"))
+    cfg.holdout = 2
+    assert [p.id for p in load_prompts(cfg)] == ["s7", "s9"]
 
 
 def test_render_conditions_on_previous_answers():

@@ -1,0 +1,126 @@
+"""The eval stage end to end on the tiny target: report keys and consistency, files, refusals."""
+
+import json
+
+import pytest
+import torch
+
+from draftsmith import DraftsmithError
+from draftsmith.cli import main
+from draftsmith.configs import compose
+from draftsmith.data_gen.target import TargetConfig, load_target
+from draftsmith.eval.run import run
+
+REPORT_KEYS = {
+    "method", "target", "head", "temperature", "top_k", "top_p", "drafting", "n_prompts", "new_tokens", "tau",
+    "per_position_acceptance", "target_only_tokens_per_s", "speculative_tokens_per_s", "speedup",
+    "per_category", "software", "hardware", "conventions", "baselines",
+}
+
+
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "question.jsonl"
+    rows = [
+        {"question_id": 1, "category": "writing", "turns": ["Write a poem.", "Shorter."]},
+        {"question_id": 2, "category": "math", "turns": ["What is 2+2?"]},
+        {"question_id": 3, "category": "math", "turns": ["What is 3*3?"]},
+        {"question_id": 4, "category": "writing", "turns": ["Say hi."]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def save_tiny_head(folder, identity=None):
+    """A random EAGLE-3 head for the tiny target, saved with a manifest naming `identity`."""
+    from draftsmith.heads.checkpoint import save_eagle3
+    from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
+    from draftsmith.heads.vocab import build_vocab_map
+
+    target = load_target(TargetConfig(name="tiny"))
+    torch.manual_seed(0)
+    head = Eagle3Head(eagle3_config_from_target(target.model.config, draft_vocab_size=128))
+    d2t, t2d = build_vocab_map(torch.arange(target.vocab_size, dtype=torch.long), 128)
+    head.init_from_target(target.model, d2t, t2d)
+    save_eagle3(head, folder, manifest_target=identity or target.identity())
+    return str(folder)
+
+
+def eval_cfg(questions, out, *extra):
+    return compose("eval", ["target=tiny", f"prompts.path={questions}", "prompts.n=null", "max_new_tokens=12",
+                            "repeats=2", "progress=false", f"out={out}", *extra])
+
+
+def check_report(report, out):
+    assert REPORT_KEYS <= set(report)
+    on_disk = json.loads((out / "report.json").read_text())
+    assert on_disk["tau"] == pytest.approx(report["tau"])
+    assert report["tau"] >= 1.0
+    assert report["speedup"] == pytest.approx(report["speculative_tokens_per_s"] / report["target_only_tokens_per_s"])
+    assert set(report["per_category"]) == {"writing", "math"}
+    assert sum(c["n"] for c in report["per_category"].values()) == report["n_samples"]
+    for c in report["per_category"].values():
+        assert c["speedup"] == pytest.approx(c["speculative_tokens_per_s"] / c["target_only_tokens_per_s"])
+    assert {"torch", "transformers", "draftsmith", "python"} <= set(report["software"])
+    assert {"cpu", "cpu_cores", "device"} <= set(report["hardware"])
+    assert "bonus token included" in report["conventions"]
+    md = (out / "report.md").read_text()
+    assert "| writing |" in md and "bonus token included" in md
+    assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "config.yaml").is_file() and (out / "manifest.json").is_file()
+
+
+def test_ngram_chain_report(questions, tmp_path):
+    cfg = eval_cfg(questions, tmp_path, "head=ngram", "prompts.multi_turn=true", "baselines=[hf_generate]")
+    report = run(cfg)
+    check_report(report, tmp_path)
+    assert report["n_prompts"] == 4 and report["n_samples"] == 5  # one prompt has two turns
+    assert report["greedy_identical_fraction"] == 1.0  # lossless: same tokens as target-only
+    assert "hf_generate" in report["baselines"]
+
+
+def test_eagle3_chain_and_tree(questions, tmp_path):
+    head = save_tiny_head(tmp_path / "head")
+    report = run(eval_cfg(questions, tmp_path / "chain", f"head={head}", "baselines=[ngram]"))
+    check_report(report, tmp_path / "chain")
+    assert report["method"] == "eagle3" and "ngram" in report["baselines"]
+    acc = report["per_position_acceptance"]
+    assert len(acc) == 5 and all(a >= b for a, b in zip(acc, acc[1:]))  # chain: monotone non-increasing
+    assert report["greedy_identical_fraction"] == 1.0
+    tree = run(eval_cfg(questions, tmp_path / "tree", f"head={head}", "drafting.mode=tree",
+                        "drafting.tree_top_k=2", "drafting.tree_budget=8", "drafting.num_speculative_tokens=3"))
+    check_report(tree, tmp_path / "tree")
+    assert tree["drafting"]["mode"] == "tree" and tree["greedy_identical_fraction"] == 1.0
+
+
+def test_sampling_report(questions, tmp_path):
+    report = run(eval_cfg(questions, tmp_path, "head=ngram", "temperature=1.0", "top_k=20", "repeats=1"))
+    check_report(report, tmp_path)
+    assert report["greedy_identical_fraction"] is None and report["top_k"] == 20
+
+
+def test_head_for_another_target_is_refused(questions, tmp_path):
+    identity = load_target(TargetConfig(name="tiny")).identity()
+    head = save_tiny_head(tmp_path / "head", {**identity, "target_id": "other", "target_hash": "0123456789abcdef"})
+    with pytest.raises(DraftsmithError) as e:
+        run(eval_cfg(questions, tmp_path / "out", f"head={head}"))
+    assert "other" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_head_is_refused(questions, tmp_path):
+    with pytest.raises(DraftsmithError, match="head="):
+        run(eval_cfg(questions, tmp_path, "head=no/such/folder"))
+
+
+@pytest.mark.parametrize("override", [
+    "drafting.num_speculative_tokens=0", "drafting.num_speculative_tokens=1000", "drafting.mode=star",
+    "drafting.tree_budget=0", "temperature=-1", "top_p=0", "baselines=[magic]", "repeats=0",
+])
+def test_cli_out_of_range_settings_exit_2(questions, tmp_path, capsys, override):
+    mode = ["drafting.mode=tree"] if "tree_budget" in override else []
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "target=tiny", "head=ngram", f"prompts.path={questions}", f"out={tmp_path}", *mode, override])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("draftsmith eval: error:") and len(err.splitlines()) == 1
+    assert override.split("=")[0] in err
