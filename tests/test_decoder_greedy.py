@@ -16,8 +16,16 @@ CHAIN = DraftingConfig(mode="chain", num_speculative_tokens=4)
 TREE = DraftingConfig(mode="tree", num_speculative_tokens=4, tree_top_k=3, tree_budget=10)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only add contention
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
-def tiny():
+def tiny(one_thread):
     target = load_target(TargetConfig(name="tiny", dtype="float64"))
     return target, TargetRunner(target.model, 256, target.aux_layer_ids)
 

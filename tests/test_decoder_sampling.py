@@ -1,0 +1,172 @@
+"""Sampling is lossless: the analytic identity, and a seeded statistical test with a negative control."""
+
+import itertools
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftsmith.eval import decoder
+from draftsmith.eval.decoder import (DraftingConfig, SamplingConfig, accept_probability, process_logits,
+                                     residual_distribution, speculative_generate)
+from draftsmith.eval.proposers import make_proposer
+from draftsmith.eval.target_runner import TargetRunner
+from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
+
+V = 8  # tiny vocabulary: the joint of two generated tokens has 64 cells
+PROMPT = torch.tensor([1, 5, 2, 7, 1, 5, 2])
+N_RUNS = 2500
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only add contention
+    yield
+    torch.set_num_threads(n)
+
+
+def _llama(seed, scale):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).double().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)  # spread the logits so p and q differ a lot
+    return model
+
+
+def _eagle(target):
+    torch.manual_seed(3)
+    head = Eagle3Head(eagle3_config_from_target(target.config, 6)).double().eval()
+    with torch.no_grad():
+        head.lm_head.weight.mul_(60)
+    used = torch.tensor([0, 1, 2, 4, 5, 7])
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[used] = True
+    head.d2t.copy_(used - torch.arange(6))
+    head.t2d.copy_(t2d)
+    return head
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = _llama(0, 60)
+    runner = TargetRunner(target, 32, [0, 1, 1])
+    return target, runner
+
+
+def _exact_joint(target, sampling):
+    """P(x2, x3) of the 2nd and 3rd generated tokens, by enumerating every (x1, x2, x3)."""
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=2)))  # (V², 2): x1, x2
+    ids = torch.cat([PROMPT.expand(len(seqs), -1), seqs], dim=1)
+    with torch.no_grad():
+        logits = target(ids).logits  # (V², T, V)
+    n = PROMPT.numel()
+    p1 = process_logits(logits[0, n - 1], sampling)  # (V,)
+    p2 = process_logits(logits[:, n], sampling).view(V, V, V)[:, 0, :]  # x1 -> P(x2 | x1)
+    p3 = process_logits(logits[:, n + 1], sampling).view(V, V, V)  # x1, x2 -> P(x3 | x1, x2)
+    return torch.einsum("a,ab,abc->bc", p1, p2, p3).flatten()
+
+
+def _empirical(runner, proposer, sampling, drafting, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V * V, dtype=torch.float64)
+    for _ in range(N_RUNS):
+        toks = speculative_generate(runner, proposer, PROMPT, 3, sampling, drafting, [], generator=g).tokens
+        counts[toks[1] * V + toks[2]] += 1
+    return counts
+
+
+def _chi2_pvalue(counts, probs):
+    """Pearson chi-square, cells with expected count < 5 pooled; p-value from the regularised gamma."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    assert counts[probs == 0].sum() == 0, "a token with target probability 0 was emitted"
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0), stat / 2)), float(stat), df
+
+
+CASES = {
+    "draft_model-chain-T1": ("draft_model", SamplingConfig(temperature=1.0), DraftingConfig("chain", 2)),
+    "draft_model-chain-topk-topp": ("draft_model", SamplingConfig(temperature=0.8, top_k=5, top_p=0.9),
+                                    DraftingConfig("chain", 2)),
+    "eagle3-tree-T1": ("eagle3", SamplingConfig(temperature=1.0), DraftingConfig("tree", 2, 3, 6)),
+    "eagle3-chain-T1": ("eagle3", SamplingConfig(temperature=1.0), DraftingConfig("chain", 2)),
+    "ngram-chain-T1": ("ngram", SamplingConfig(temperature=1.0), DraftingConfig("chain", 2)),
+}
+
+
+def _proposer(kind, target):
+    kw = {"draft_model": {"model": _llama(1, 60)}, "eagle3": {"head": _eagle(target)}, "ngram": {}}[kind]
+    return make_proposer(kind, target, **kw)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sampling_matches_target_distribution(setup, case):
+    target, runner = setup
+    kind, sampling, drafting = CASES[case]
+    exact = _exact_joint(target, sampling)
+    counts = _empirical(runner, _proposer(kind, target), sampling, drafting)
+    pval, stat, df = _chi2_pvalue(counts, exact)
+    tv = 0.5 * (counts / counts.sum() - exact).abs().sum()
+    print(f"{case}: chi2={stat:.1f} df={df} p={pval:.3g} TV={tv:.3f}")
+    assert pval > 1e-3, (case, stat, df, tv)
+
+
+@pytest.mark.parametrize("case", ["draft_model-chain-T1", "eagle3-tree-T1"])
+def test_negative_control_resampling_from_p_fails(setup, case, monkeypatch):
+    """A wrong sampler (on rejection, resample from p instead of the residual) must fail the same test."""
+    target, runner = setup
+    kind, sampling, drafting = CASES[case]
+    monkeypatch.setattr(decoder, "residual_distribution", lambda p, q: p)
+    exact = _exact_joint(target, sampling)
+    counts = _empirical(runner, _proposer(kind, target), sampling, drafting)
+    pval, stat, df = _chi2_pvalue(counts, exact)
+    print(f"wrong sampler {case}: chi2={stat:.1f} df={df} p={pval:.3g}")
+    assert pval < 1e-4  # the correct sampler passes p > 1e-3 on the same seed
+
+
+def test_target_only_sampling_matches(setup):
+    target, runner = setup
+    sampling = SamplingConfig(temperature=1.0)
+    counts = _empirical(runner, None, sampling, DraftingConfig())
+    assert _chi2_pvalue(counts, _exact_joint(target, sampling))[0] > 1e-3
+
+
+def _rule_output(p, q):
+    """The exact output distribution of one accept/reject step with x ~ q."""
+    acc = torch.tensor([accept_probability(p, q, x) for x in range(p.numel())], dtype=p.dtype)
+    return q * acc + (1 - (q * acc).sum()) * residual_distribution(p, q)
+
+
+def test_analytic_identity_q_accept_plus_reject_residual_is_p():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        n = 2 + trial % 30
+        p = torch.rand(n, generator=g, dtype=torch.float64) ** 3
+        q = torch.rand(n, generator=g, dtype=torch.float64) ** 3
+        if trial % 3 == 0:
+            q[torch.rand(n, generator=g) < 0.5] = 0  # q with holes (e.g. outside the draft vocab)
+            q[0] += 0.1
+        if trial % 5 == 0:
+            q = torch.zeros(n, dtype=torch.float64).index_fill_(0, torch.tensor([trial % n]), 1.0)  # one-hot
+        p, q = p / p.sum(), q / q.sum()
+        assert torch.allclose(_rule_output(p, q), p, atol=1e-12)
+    p = torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)
+    assert torch.allclose(_rule_output(p, p.clone()), p)  # p == q: never rejects
+
+
+def test_process_logits_top_k_top_p():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
+    p = process_logits(logits, SamplingConfig(temperature=1.0, top_k=3))
+    assert (p[3:] == 0).all() and torch.allclose(p[:3], logits[:3].double().softmax(-1))
+    full = logits.double().softmax(-1)
+    p = process_logits(logits, SamplingConfig(temperature=1.0, top_p=0.8))
+    k = int((full.cumsum(-1) < 0.8).sum()) + 1  # smallest prefix whose mass reaches 0.8
+    assert (p[k:] == 0).all() and torch.allclose(p[:k], full[:k] / full[:k].sum())
