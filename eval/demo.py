@@ -1,0 +1,172 @@
+"""`draftsmith demo`: data-gen -> EAGLE-3 training -> eval on the embedded SmolLM2, on a laptop CPU.
+
+    draftsmith demo                      # ~20 minutes on 2 CPU cores; out=runs/demo
+    draftsmith demo flavour=tiny         # the random tiny target, a few steps: CI, < 1 minute
+
+Stages and their folders under `out/`:
+  data/  `draftsmith data-gen prompts=self`: the target writes n_prompts + eval_prompts questions
+         and answers them (batched bf16 generation);
+  head/  `draftsmith train method=eagle3 val_samples=eval_prompts`: online EAGLE-3 training on all
+         rows but the last `eval_prompts` (out/head/final is the head);
+  eval/  `draftsmith eval prompts.source=holdout prompts.holdout=eval_prompts`: the held-out rows'
+         prompts, temperature 0, chain drafting, against target-only decoding.
+
+Each stage is skipped when its output is complete and was made with the same settings (a stamp
+`out/<stage>.done.json` holds the overrides it ran with), and resumed otherwise (data-gen
+resumes its parts; training resumes from its latest checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import OmegaConf
+
+from draftsmith import DraftsmithError
+from draftsmith.data_gen.manifest import atomic_write_bytes, atomic_write_json
+
+# Sizes of each flavour; a DemoConfig knob left at None takes its flavour's value.
+FLAVOURS = {
+    # Fits ~20 minutes on 2 CPU cores: data-gen ~6 min, training ~8 min, eval ~4 min.
+    "smollm2": dict(target="smollm2", n_prompts=224, max_prompt_tokens=64, eval_prompts=10, gen_max_new_tokens=160, train_steps=700,
+                    lr=1e-3, draft_vocab_size=8192, max_length=384, train_precision="bf16",
+                    eval_max_new_tokens=96, repeats=1),
+    # The random tiny target: the whole pipeline in well under a minute, for CI.
+    "tiny": dict(target="tiny", n_prompts=6, max_prompt_tokens=16, eval_prompts=2, gen_max_new_tokens=8, train_steps=3,
+                 lr=1e-3, draft_vocab_size=128, max_length=128, train_precision="fp32",
+                 eval_max_new_tokens=12, repeats=1),
+}
+
+
+@dataclass
+class DemoConfig:
+    flavour: str = "smollm2"  # smollm2 | tiny (sizes below default to the flavour's)
+    out: str = "runs/demo"
+    seed: int = 0
+    n_prompts: Optional[int] = None  # self-written training prompts
+    max_prompt_tokens: Optional[int] = None  # length cap of a self-written prompt
+    eval_prompts: Optional[int] = None  # more self-written prompts, held out for eval
+    gen_max_new_tokens: Optional[int] = None  # answer length in data-gen
+    train_steps: Optional[int] = None
+    lr: Optional[float] = None
+    draft_vocab_size: Optional[int] = None
+    max_length: Optional[int] = None  # training sequence length
+    train_precision: Optional[str] = None  # fp32 | bf16
+    eval_max_new_tokens: Optional[int] = None
+    repeats: Optional[int] = None  # eval timing repeats
+    num_speculative_tokens: int = 5
+    progress: bool = True
+
+
+def sizes(cfg) -> dict:
+    """The flavour's sizes with the user's explicit knobs on top."""
+    if cfg.flavour not in FLAVOURS:
+        raise DraftsmithError(f"flavour={cfg.flavour!r} is not one of {', '.join(FLAVOURS)}.")
+    s = dict(FLAVOURS[cfg.flavour])
+    for key in s:
+        value = getattr(cfg, key, None)
+        if value is not None:
+            s[key] = value
+    if s["n_prompts"] < 2 or s["eval_prompts"] < 1 or s["train_steps"] < 1:
+        raise DraftsmithError("n_prompts must be >= 2, eval_prompts >= 1 and train_steps >= 1.")
+    return s
+
+
+def stage_overrides(cfg, s: dict, out: Path) -> dict[str, list[str]]:
+    """The overrides each stage runs with: data_gen, train and eval configs composed as their CLIs would."""
+    target = f"target={s['target']}"
+    return {
+        "data_gen": [target, "prompts=self", f"prompts.n={s['n_prompts'] + s['eval_prompts']}",
+                     f"prompts.seed={cfg.seed}", f"prompts.max_prompt_tokens={s['max_prompt_tokens']}", f"seed={cfg.seed}", f"max_new_tokens={s['gen_max_new_tokens']}",
+                     "target.dtype=bfloat16" if s["target"] == "smollm2" else "target.dtype=float32",
+                     f"out={out / 'data'}"],
+        "train": ["method=eagle3", target, f"data={out / 'data'}", f"out={out / 'head'}", "mode=online",
+                  f"max_steps={s['train_steps']}", f"lr={s['lr']}", "warmup_ratio=0.05",
+                  f"draft_vocab_size={s['draft_vocab_size']}", f"max_length={s['max_length']}",
+                  f"val_samples={s['eval_prompts']}", f"precision={s['train_precision']}", f"seed={cfg.seed}",
+                  "wandb.mode=disabled", f"progress={str(cfg.progress).lower()}", "save_every=100000"],
+        "eval": [target, f"head={out / 'head' / 'final'}", "prompts.source=holdout", f"prompts.path={out / 'data'}",
+                 f"prompts.holdout={s['eval_prompts']}", "prompts.n=null", "temperature=0", "drafting.mode=chain",
+                 f"drafting.num_speculative_tokens={cfg.num_speculative_tokens}",
+                 f"max_new_tokens={s['eval_max_new_tokens']}", f"repeats={s['repeats']}", "baselines=[ngram]",
+                 f"seed={cfg.seed}", f"progress={str(cfg.progress).lower()}", f"out={out / 'eval'}"],
+    }
+
+
+def _done(out: Path, stage: str, overrides: list[str]) -> bool:
+    stamp = out / f"{stage}.done.json"
+    return stamp.is_file() and json.loads(stamp.read_text()).get("overrides") == overrides
+
+
+# Set after composing: `deepspeed` is also the name of a config folder, so Hydra reads
+# `deepspeed=none` as a group choice. One process on CPU trains with plain torch.
+AFTER_COMPOSE = {"train": {"deepspeed": "none"}}
+
+
+def _run_stage(stage: str, overrides: list[str]) -> dict:
+    from importlib import import_module
+
+    from draftsmith.configs import compose
+
+    module = {"data_gen": "draftsmith.data_gen.run", "train": "draftsmith.train.run", "eval": "draftsmith.eval.run"}
+    cfg = compose(stage, overrides)
+    for key, value in AFTER_COMPOSE.get(stage, {}).items():
+        OmegaConf.update(cfg, key, value)
+    return import_module(module[stage]).run(cfg)
+
+
+def run(cfg) -> dict:
+    """Run (or skip / resume) the three stages; returns {stage: seconds, ..., "report": eval report}."""
+    s = sizes(cfg)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg).encode())
+    plan = stage_overrides(cfg, s, out)
+    summary: dict = {"out": str(out), "flavour": cfg.flavour, "sizes": s, "seconds": {}, "skipped": []}
+    t_all = time.perf_counter()
+    for stage, overrides in plan.items():
+        if _done(out, stage, overrides):
+            summary["skipped"].append(stage)
+            continue
+        if stage == "train":
+            from draftsmith.train.checkpoint import list_checkpoints
+
+            if list_checkpoints(out / "head"):
+                overrides = overrides + ["resume=true"]
+        t0 = time.perf_counter()
+        result = _run_stage(stage, overrides)
+        summary["seconds"][stage] = round(time.perf_counter() - t0, 1)
+        if stage == "train":
+            summary["train"] = {"steps": result.get("steps"), "val": result.get("val")}
+        atomic_write_json(out / f"{stage}.done.json", {"overrides": plan[stage], "seconds": summary["seconds"][stage]})
+    summary["seconds"]["total"] = round(time.perf_counter() - t_all, 1)
+    summary["report"] = json.loads((out / "eval" / "report.json").read_text())
+    atomic_write_json(out / "demo_summary.json", {k: v for k, v in summary.items() if k != "report"})
+    print(describe(summary))
+    return summary
+
+
+def describe(summary: dict) -> str:
+    """The few lines the demo ends with: tau, per-position acceptance, speedup, where the report is."""
+    r = summary["report"]
+    acc = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
+    ngram = r.get("baselines", {}).get("ngram")
+    lines = [
+        f"draftsmith demo ({summary['flavour']}): EAGLE-3 head on {r['target']['target_id']}, "
+        f"{r['n_prompts']} held-out prompts, temperature {r['temperature']}, chain K={r['drafting']['num_speculative_tokens']}",
+        f"  tau (tokens per target verification, bonus included): {r['tau']:.2f}",
+        f"  per-position acceptance: {acc}",
+        f"  speedup: {r['speedup']:.2f}x ({r['speculative_tokens_per_s']:.1f} vs {r['target_only_tokens_per_s']:.1f} "
+        f"tokens/s target-only, same decoder)",
+    ]
+    if ngram:
+        lines.append(f"  n-gram lookup baseline (no training): tau {ngram['tau']:.2f}, speedup {ngram['speedup']:.2f}x")
+    secs = ", ".join(f"{k} {v:.0f} s" for k, v in summary["seconds"].items())
+    skipped = f" (skipped, already complete: {', '.join(summary['skipped'])})" if summary["skipped"] else ""
+    lines.append(f"  time: {secs}{skipped}")
+    lines.append(f"  report: {Path(summary['out']) / 'eval' / 'report.md'}")
+    return "\n".join(lines)
