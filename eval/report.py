@@ -85,6 +85,22 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def summary_lines(report: dict) -> str:
+    """The few lines `draftsmith eval` ends with."""
+    acc = " ".join(f"{a:.2f}" for a in report["per_position_acceptance"])
+    lines = [f"eval {report['method']} on {report['target']['target_id']}: {report['n_prompts']} prompts, "
+             f"temperature {report['temperature']}, {report['drafting']['mode']} K={report['drafting']['num_speculative_tokens']}",
+             f"  tau {report['tau']:.2f}, per-position acceptance {acc}",
+             f"  speedup {report['speedup']:.2f}x ({report['speculative_tokens_per_s']:.1f} vs "
+             f"{report['target_only_tokens_per_s']:.1f} tokens/s target-only)"]
+    for name, b in report.get("baselines", {}).items():
+        tau = f"tau {b['tau']:.2f}, " if b.get("tau") is not None else ""
+        lines.append(f"  baseline {name}: {tau}{b['tokens_per_s']:.1f} tokens/s, speedup {b['speedup']:.2f}x")
+    if report.get("files"):
+        lines.append(f"  report: {report['files']['md']}")
+    return "\n".join(lines)
+
+
 def plot_png(report: dict) -> bytes:
     """Two panels: per-position acceptance bars, and tau per category."""
     import matplotlib

@@ -27,7 +27,7 @@ from draftsmith.eval import metrics
 from draftsmith.eval.config import build_settings
 from draftsmith.eval.decoder import DraftingConfig, GenerationResult, SamplingConfig, speculative_generate
 from draftsmith.eval.prompts import EvalPrompt, load_prompts, render
-from draftsmith.eval.report import hardware, software_versions, write_report
+from draftsmith.eval.report import hardware, software_versions, summary_lines, write_report
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 SPECULATORS_ARCHITECTURES = ("Eagle3DraftModel",)
@@ -240,6 +240,8 @@ def run(cfg) -> dict:
     mf.write_manifest(out, stage="eval", target=target.identity(),
                       counts={"prompts": len(prompts), "samples": report["n_samples"]},
                       complete=True, method=drafter.method, head=str(cfg.head))
+    if cfg.progress:
+        print(summary_lines(report))
     return report
 
 
