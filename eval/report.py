@@ -110,13 +110,15 @@ def plot_png(report: dict) -> bytes:
 
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
     acc = report["per_position_acceptance"]
-    ax0.bar([str(i + 1) for i in range(len(acc))], acc, color="tab:blue")
+    ax0.bar(range(1, len(acc) + 1), acc, color="tab:blue")
+    ax0.set_xticks(range(1, len(acc) + 1))
     ax0.set_ylim(0, 1)
     ax0.set_xlabel("draft position")
     ax0.set_ylabel("accepted / proposed")
     ax0.set_title(f"per-position acceptance (tau = {report['tau']:.2f})")
     cats = list(report["per_category"])
-    ax1.bar(cats, [report["per_category"][c]["tau"] for c in cats], color="tab:orange")
+    ax1.bar(range(len(cats)), [report["per_category"][c]["tau"] for c in cats], color="tab:orange")
+    ax1.set_xticks(range(len(cats)), cats)
     ax1.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax1.set_ylabel("tau (tokens / verification)")
     ax1.set_title(f"tau per category (speedup {report['speedup']:.2f}x overall)")

@@ -47,16 +47,12 @@ class Drafter:
 
 
 def find_head_folder(path: Path) -> Path:
-    """The folder holding config.json: `path` itself, or the newest checkpoint folder a trainer wrote under it."""
-    if (path / "config.json").is_file():
-        return path
-    for name in ("final", "head", "export", "best"):
-        if (path / name / "config.json").is_file():
-            return path / name
-    candidates = sorted((p.parent for p in path.glob("*/config.json")), key=lambda p: p.stat().st_mtime)
-    if candidates:
-        return candidates[-1]
-    raise DraftsmithError(f"head={str(path)!r} has no config.json (nor a checkpoint folder holding one).")
+    """The folder holding config.json: `path` itself, or `path/final` (what `draftsmith train` writes)."""
+    for folder in (path, path / "final"):
+        if (folder / "config.json").is_file():
+            return folder
+    raise DraftsmithError(f"head={str(path)!r} has no config.json (nor a final/ folder holding one); give an "
+                          f"EAGLE-3 folder, a train out/ folder or an HF draft-model folder.")
 
 
 def check_head_target(folder: Path, config: dict, target: Target) -> None:
