@@ -50,7 +50,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generators: list[t
     return (probs / noise.to(probs.device)).argmax(dim=-1)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def _generate_batch(model, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
                     eos_ids: set[int], pad_id: int, prune: bool, bar) -> list[tuple[list[int], str]]:
     from transformers import DynamicCache
