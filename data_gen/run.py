@@ -190,6 +190,7 @@ def run(cfg) -> dict:
              and (out / "config.yaml").read_text() == config_yaml)
     if world == 1 and not reuse:
         (out / mf.MANIFEST).unlink(missing_ok=True)  # from here on the folder is not complete
+        (out / "config.yaml").unlink(missing_ok=True)  # nor reusable by a later run
         conversations, rows, counts = generate_part(cfg, target, samples)
         if not rows:
             raise DraftsmithError(f"no sample survived data-gen ({_count(rows, counts, n_prompts)}); nothing written.")
@@ -206,6 +207,7 @@ def run(cfg) -> dict:
                   f"({summary['seconds']} s); the last rank to finish merges.", file=sys.stderr)
             return summary
         (out / mf.MANIFEST).unlink(missing_ok=True)
+        (out / "config.yaml").unlink(missing_ok=True)
         merge_parts(out, world)
         shutil.rmtree(out / "parts", ignore_errors=True)
     mf.atomic_write_bytes(out / "config.yaml", config_yaml.encode())
