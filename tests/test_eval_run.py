@@ -48,7 +48,7 @@ def save_tiny_head(folder, identity=None):
 
 def eval_cfg(questions, out, *extra):
     return compose("eval", ["target=tiny", f"prompts.path={questions}", "prompts.n=null", "max_new_tokens=12",
-                            "repeats=2", "progress=false", f"out={out}", *extra])
+                            "repeats=1", "progress=false", f"out={out}", *extra])
 
 
 def check_report(report, out):
@@ -71,7 +71,7 @@ def check_report(report, out):
 
 
 def test_ngram_chain_report(questions, tmp_path):
-    cfg = eval_cfg(questions, tmp_path, "head=ngram", "prompts.multi_turn=true", "baselines=[hf_generate]")
+    cfg = eval_cfg(questions, tmp_path, "head=ngram", "prompts.multi_turn=true", "baselines=[hf_generate]", "repeats=2")
     report = run(cfg)
     check_report(report, tmp_path)
     assert report["n_prompts"] == 4 and report["n_samples"] == 5  # one prompt has two turns
@@ -124,3 +124,32 @@ def test_cli_out_of_range_settings_exit_2(questions, tmp_path, capsys, override)
     err = capsys.readouterr().err.strip()
     assert err.startswith("draftsmith eval: error:") and len(err.splitlines()) == 1
     assert override.split("=")[0] in err
+
+
+@pytest.mark.slow
+def test_smollm2_spec_bench_ngram(tmp_path):
+    """The embedded SmolLM2 on two Spec-Bench MT-bench questions (both turns): lossless, consistent figures."""
+    cfg = compose("eval", ["target=smollm2", "head=ngram", "prompts.path=/work/shared/data/spec_bench_question.jsonl",
+                           "prompts.categories=[writing]", "prompts.n=2", "prompts.multi_turn=true",
+                           "max_new_tokens=32", "repeats=1", "progress=false", f"out={tmp_path}"])
+    report = run(cfg)
+    assert report["n_prompts"] == 2 and report["n_samples"] == 4
+    assert report["greedy_identical_fraction"] == 1.0 and report["tau"] >= 1.0
+    assert report["speedup"] == pytest.approx(report["speculative_tokens_per_s"] / report["target_only_tokens_per_s"])
+
+
+def test_draft_model_head_with_hf_assisted_baseline(questions, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from draftsmith.data_gen.target import tiny_model_config
+
+    target = load_target(TargetConfig(name="tiny"))
+    torch.manual_seed(1)
+    draft = LlamaForCausalLM(tiny_model_config(target.vocab_size, num_layers=2))
+    draft.config.eos_token_id = target.model.config.eos_token_id
+    draft.config.pad_token_id = target.model.config.pad_token_id
+    draft.save_pretrained(tmp_path / "draft")
+    report = run(eval_cfg(questions, tmp_path / "out", f"head={tmp_path / 'draft'}", "baselines=[hf_assisted]",
+                          "prompts.n=2"))
+    assert report["method"] == "draft_model" and report["greedy_identical_fraction"] == 1.0
+    assert report["baselines"]["hf_assisted"]["tokens_per_s"] > 0
