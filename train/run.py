@@ -73,6 +73,16 @@ def save_final(head: Eagle3Head, folder: Path, identity: dict) -> Path:
     return folder
 
 
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def run(cfg) -> dict:
     """Train; see the module docstring for what comes back."""
     if not OmegaConf.is_config(cfg):
@@ -110,6 +120,7 @@ def run(cfg) -> dict:
         counts = count_tokens((train.input_ids[i] for i in rows), (train.loss_mask[i] for i in rows), target.vocab_size)
         d2t, t2d = build_vocab_map(counts, draft_vocab)
 
+    seed_everything(cfg.seed)  # the head's fresh layers; resume restores the RNG state later
     head = Eagle3Head(eagle3_config_from_target(target.model.config, draft_vocab))
     head.init_from_target(target.model, d2t, t2d)
     head.to(cfg.device)
@@ -136,6 +147,12 @@ def run(cfg) -> dict:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
+        if resume is not None and (out / "metrics.jsonl").is_file():  # drop records past the checkpoint
+            import json
+
+            lines = (out / "metrics.jsonl").read_text().splitlines()
+            keep = [ln for ln in lines if json.loads(ln).get("step", 0) <= state["step"]]
+            atomic_write_bytes(out / "metrics.jsonl", "".join(ln + "\n" for ln in keep).encode())
     logger = Logger(cfg, out, rank, total_steps, state["step"], config_dict)
     try:
         record = train_loop(w, cfg, train, prepare, summarize, out, rank, world, total_steps, state["step"],
