@@ -238,6 +238,9 @@ def speculative_generate(target_runner, proposer, prompt_ids: torch.Tensor, max_
     if proposer is not None and getattr(proposer, "is_null", False):
         proposer = None
     want_aux = proposer is not None and proposer.needs_aux
+    if want_aux and not runner.aux_layer_ids:
+        raise DraftsmithError("this proposer reads EAGLE-3 features: build the TargetRunner with aux_layer_ids "
+                              "(Target.aux_layer_ids).")
     eos = set(eos_token_ids)
     depth_cap = drafting.num_speculative_tokens
     accepted, proposed = [0] * depth_cap, [0] * depth_cap

@@ -232,7 +232,8 @@ class DraftModelProposer(_ModelProposer):
 def make_proposer(kind: str, target, **kw) -> Proposer:
     """kind: "eagle3" (head=Eagle3Head), "draft_model" (model=HF causal LM), "ngram" (max_ngram=3), "none".
 
-    `target` is a Target, a TargetRunner or an HF model (only its vocab size is read).
+    `target` is a Target, a TargetRunner or an HF model (only its vocab size is read). Model proposers
+    take max_len=4096: their cache must hold prompt + new tokens + one tree.
     """
     vocab = _vocab_size(target)
     if kind == "none":
@@ -242,11 +243,11 @@ def make_proposer(kind: str, target, **kw) -> Proposer:
     if kind == "eagle3":
         if "head" not in kw:
             raise DraftsmithError("make_proposer('eagle3') needs head=<Eagle3Head>.")
-        return Eagle3Proposer(kw["head"], vocab, kw.get("max_len", 2048))
+        return Eagle3Proposer(kw["head"], vocab, kw.get("max_len", 4096))
     if kind == "draft_model":
         if "model" not in kw:
             raise DraftsmithError("make_proposer('draft_model') needs model=<HF causal LM>.")
-        return DraftModelProposer(kw["model"], vocab, kw.get("max_len", 2048))
+        return DraftModelProposer(kw["model"], vocab, kw.get("max_len", 4096))
     raise DraftsmithError(f"proposer kind {kind!r} is not one of eagle3, draft_model, ngram, none.")
 
 

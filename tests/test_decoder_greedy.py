@@ -125,3 +125,7 @@ def test_bad_inputs(tiny):
         make_proposer("medusa", target)
     with pytest.raises(DraftsmithError):
         speculative_generate(runner, None, torch.tensor([1, 2]), 10_000, GREEDY, CHAIN, eos_token_ids=[])
+    no_aux = TargetRunner(target.model, 64, None)
+    with pytest.raises(DraftsmithError):
+        speculative_generate(no_aux, make_proposer("eagle3", target, head=_eagle_head(target)), torch.tensor([1, 2]),
+                             4, GREEDY, CHAIN, eos_token_ids=[])

@@ -31,7 +31,6 @@ def _first_divergence_is_near_tie(target, prompt, ref, got):
 
 def test_smollm2_greedy_lossless(smollm2_target):
     target = smollm2_target
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
     runner = TargetRunner(target.model, 512, target.aux_layer_ids)
     torch.manual_seed(0)
     head = Eagle3Head(eagle3_config_from_target(target.model.config, 2048)).eval()
