@@ -32,12 +32,12 @@ def test_greedy_equals_hf_generate(tiny_target):
 
 
 def test_sampling_reproducible_and_batch_independent(tiny_target):
-    ids = [chat_ids(tiny_target, c) for c in PROMPTS]
-    params = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=12)
-    a = generate_tokens(tiny_target, ids, params, list(range(6)), batch_size=4)
-    b = generate_tokens(tiny_target, ids, params, list(range(6)), batch_size=4)
-    one = generate_tokens(tiny_target, ids, params, list(range(6)), batch_size=1, prune=False)
-    c = generate_tokens(tiny_target, ids, params, [s + 100 for s in range(6)], batch_size=4)
+    ids = [chat_ids(tiny_target, c) for c in PROMPTS[:4]]
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=8)
+    a = generate_tokens(tiny_target, ids, params, list(range(4)), batch_size=3)
+    b = generate_tokens(tiny_target, ids, params, list(range(4)), batch_size=3)
+    one = generate_tokens(tiny_target, ids, params, list(range(4)), batch_size=1, prune=False)
+    c = generate_tokens(tiny_target, ids, params, [s + 100 for s in range(4)], batch_size=3)
     assert a == b == one
     assert a != c
 
@@ -73,8 +73,8 @@ def test_multi_turn_conditions_on_regenerated_history():
 
 def test_hf_backend_multi_turn_seeded(tiny_target):
     samples = [{"id": str(i), "category": "", "messages": [{"role": "user", "content": f"q{i}"},
-                                                            {"role": "user", "content": "more"}]} for i in range(3)]
-    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=8)
+                                                            {"role": "user", "content": "more"}]} for i in range(2)]
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=6)
     backend = make_backend(tiny_target, BackendConfig(batch_size=2), params)
     a, _ = regenerate([dict(s) for s in samples], backend, seed=1)
     b, _ = regenerate([dict(s) for s in samples], backend, seed=1)
