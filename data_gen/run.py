@@ -182,12 +182,13 @@ def run(cfg) -> dict:
     check_out_folder(out, identity)
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
 
-    samples = load_prompts(cfg.prompts, target)
-    n_prompts = len(samples)
-    for i, s in enumerate(samples):
-        s["order"] = i
     reuse = (world == 1 and (out / STATE).is_file() and (out / "config.yaml").is_file()
              and (out / "config.yaml").read_text() == config_yaml)
+    if not reuse:
+        samples = load_prompts(cfg.prompts, target)
+        n_prompts = len(samples)
+        for i, s in enumerate(samples):
+            s["order"] = i
     if world == 1 and not reuse:
         (out / mf.MANIFEST).unlink(missing_ok=True)  # from here on the folder is not complete
         (out / "config.yaml").unlink(missing_ok=True)  # nor reusable by a later run
