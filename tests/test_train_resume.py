@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from draftsmith.data_gen.target import TargetConfig, load_target
-from draftsmith.train.config import TrainConfig
+from draftsmith.train.config import DeepSpeedConfig, TrainConfig
 from draftsmith.train.run import run
 from test_train_data import make_tiny_data
 
@@ -19,11 +19,11 @@ def tiny_data(tmp_path_factory):
     return make_tiny_data(tmp_path_factory.mktemp("data"), target, n=12, hidden_states=True)
 
 
-def _cfg(data, out, **kw):
+def _cfg(data, out, deepspeed="zero2", **kw):
     cfg = OmegaConf.structured(TrainConfig(
         data=str(data), out=str(out), target=TargetConfig(name="tiny"), draft_vocab_size=128, ttt_steps=3,
         micro_batch_size=2, grad_accum=2, epochs=2, save_every=2, keep_last=5, lr=3e-3, warmup_ratio=0.2,
-        progress=False, **kw))
+        progress=False, deepspeed=DeepSpeedConfig(deepspeed), **kw))
     cfg.wandb.mode = "disabled"
     return cfg
 

@@ -17,6 +17,13 @@ class WandbConfig:
 
 
 @dataclass
+class DeepSpeedConfig:
+    # zero1 | zero2 | zero3 (configs/deepspeed/<name>.json), a path to a DeepSpeed JSON,
+    # or none (plain torch; DDP when launched with several processes)
+    config: str = "zero2"
+
+
+@dataclass
 class TrainConfig:
     method: str = "eagle3"
     target: TargetConfig = field(default_factory=TargetConfig)
@@ -49,8 +56,7 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 0.5
     precision: str = "fp32"  # fp32 | bf16 (autocast, fp32 master weights) | fp16 (DeepSpeed loss scaling)
-    # zero1 | zero2 | zero3 (configs/deepspeed/<name>.json), a path to a DeepSpeed JSON, or none (plain torch / DDP)
-    deepspeed: str = "zero2"
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # config group: deepspeed=zero1|zero2|zero3|none
 
     # checkpoints and logging
     save_every: int = 500

@@ -40,7 +40,7 @@ def validate(cfg) -> None:
         raise DraftsmithError("data= is required: a data-gen output folder.")
     if cfg.precision not in ("fp32", "bf16", "fp16"):
         raise DraftsmithError(f"precision={cfg.precision!r} must be fp32, bf16 or fp16.")
-    if cfg.precision == "fp16" and cfg.deepspeed == "none":
+    if cfg.precision == "fp16" and cfg.deepspeed.config == "none":
         raise DraftsmithError("precision=fp16 needs DeepSpeed's loss scaling; use deepspeed=zero1/2/3 or precision=bf16.")
     if cfg.ttt_steps < 1:
         raise DraftsmithError(f"ttt_steps={cfg.ttt_steps} must be at least 1.")
@@ -53,7 +53,7 @@ def compat_fields(cfg, identity: dict, draft_vocab: int, world: int, n_train: in
     """What a checkpoint must share with this run for exact resume."""
     return {"method": cfg.method, "target_hash": identity["target_hash"], "tokenizer_hash": identity["tokenizer_hash"],
             "hidden_size": identity["hidden_size"], "draft_vocab_size": draft_vocab, "ttt_steps": cfg.ttt_steps,
-            "deepspeed": cfg.deepspeed, "world_size": world, "micro_batch_size": cfg.micro_batch_size,
+            "deepspeed": cfg.deepspeed.config, "world_size": world, "micro_batch_size": cfg.micro_batch_size,
             "grad_accum": cfg.grad_accum, "train_samples": n_train, "total_steps": total_steps,
             "precision": cfg.precision, "seed": cfg.seed}
 

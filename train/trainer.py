@@ -41,7 +41,7 @@ def _free_port() -> int:
 def init_distributed(cfg) -> tuple[int, int]:
     """(rank, world_size). Launched by torchrun / deepspeed (env vars set) or as one plain process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.deepspeed == "none" and world == 1:
+    if cfg.deepspeed.config == "none" and world == 1:
         return 0, 1
     if world == 1:  # DeepSpeed needs a process group even alone
         os.environ.setdefault("RANK", "0")
@@ -51,7 +51,7 @@ def init_distributed(cfg) -> tuple[int, int]:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     backend = "gloo" if cfg.device == "cpu" else "nccl"
     if not dist.is_initialized():
-        if cfg.deepspeed == "none":
+        if cfg.deepspeed.config == "none":
             dist.init_process_group(backend)
         else:
             import deepspeed
@@ -72,10 +72,10 @@ def cosine_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], 
 
 def deepspeed_config(cfg, world: int) -> dict:
     """configs/deepspeed/<name>.json (or a path) completed with this run's batch, clipping and precision."""
-    path = Path(cfg.deepspeed) if cfg.deepspeed.endswith(".json") else DS_CONFIGS / f"{cfg.deepspeed}.json"
+    path = Path(cfg.deepspeed.config) if cfg.deepspeed.config.endswith(".json") else DS_CONFIGS / f"{cfg.deepspeed.config}.json"
     if not path.is_file():
         names = sorted(p.stem for p in DS_CONFIGS.glob("*.json"))
-        raise DraftsmithError(f"deepspeed={cfg.deepspeed!r} is not none, one of {names}, nor a JSON file.")
+        raise DraftsmithError(f"deepspeed={cfg.deepspeed.config!r} is not none, one of {names} (deepspeed=...), nor a JSON file (deepspeed.config=...).")
     conf = json.loads(path.read_text())
     conf.update(train_micro_batch_size_per_gpu=cfg.micro_batch_size, gradient_accumulation_steps=cfg.grad_accum,
                 train_batch_size=cfg.micro_batch_size * cfg.grad_accum * world, gradient_clipping=cfg.grad_clip)
@@ -134,7 +134,7 @@ def wrap_for_training(module: nn.Module, cfg, world: int, total_steps: int) -> W
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
     warmup = max(1, int(cfg.warmup_ratio * total_steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_lambda(warmup, total_steps, cfg.min_lr_ratio))
-    if cfg.deepspeed == "none":
+    if cfg.deepspeed.config == "none":
         model = module
         if world > 1:
             model = nn.parallel.DistributedDataParallel(module)
