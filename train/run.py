@@ -83,6 +83,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def close_distributed() -> None:
+    """Tear the process group down so every rank exits (gloo ranks otherwise wait at exit)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def run(cfg) -> dict:
     """Train; see the module docstring for what comes back."""
     if not OmegaConf.is_config(cfg):
@@ -166,6 +175,7 @@ def run(cfg) -> dict:
                 save_final(head_cpu, final, identity)
     finally:
         logger.close()
+        close_distributed()
     if rank == 0 and val_metrics:
         atomic_write_json(out / "val_metrics.json", val_metrics)
     return {"out": str(out), "final": str(final), "mode": mode, "steps": total_steps, "metrics": record,
