@@ -59,18 +59,10 @@ def compat_fields(cfg, identity: dict, draft_vocab: int, world: int, n_train: in
 
 
 def save_final(head: Eagle3Head, folder: Path, identity: dict) -> Path:
-    """The trained head in the engine format (heads/checkpoint.py)."""
-    try:
-        from draftsmith.heads.checkpoint import save_eagle3
-    except ImportError:  # until heads/checkpoint.py lands: weights + config only
-        from safetensors.torch import save_file
+    """The trained head in the engine format vLLM / SGLang load (heads/checkpoint.py)."""
+    from draftsmith.heads.checkpoint import save_eagle3
 
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(folder / "model.safetensors"))
-        atomic_write_bytes(folder / "config.json", head.config.to_json_string().encode())
-        return folder
-    save_eagle3(head, folder, manifest_target=identity)
-    return folder
+    return save_eagle3(head, folder, manifest_target=identity)
 
 
 def seed_everything(seed: int) -> None:
