@@ -91,6 +91,11 @@ def run(cfg) -> dict:
     validate(cfg)
     out = Path(cfg.out)
     rank, world = init_distributed(cfg)
+    if cfg.device == "cuda":  # one device per process
+        import os
+
+        cfg.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    cfg.target.device = cfg.device  # the target runs beside the head
     target = load_target(cfg.target)
     identity = target.identity()
     train, val, mode = load_data(cfg.data, identity, cfg.mode, cfg.max_length, cfg.val_samples)
