@@ -85,6 +85,7 @@ def stage_overrides(cfg, s: dict, out: Path) -> dict[str, list[str]]:
                      "target.dtype=bfloat16" if s["target"] == "smollm2" else "target.dtype=float32",
                      f"out={out / 'data'}"],
         "train": ["method=eagle3", target, f"data={out / 'data'}", f"out={out / 'head'}", "mode=online",
+                  "deepspeed=none",  # one process on CPU: plain torch
                   f"max_steps={s['train_steps']}", f"lr={s['lr']}", "warmup_ratio=0.05",
                   f"draft_vocab_size={s['draft_vocab_size']}", f"max_length={s['max_length']}",
                   f"val_samples={s['eval_prompts']}", f"precision={s['train_precision']}", f"seed={cfg.seed}",
@@ -102,21 +103,13 @@ def _done(out: Path, stage: str, overrides: list[str]) -> bool:
     return stamp.is_file() and json.loads(stamp.read_text()).get("overrides") == overrides
 
 
-# Set after composing: `deepspeed` is also the name of a config folder, so Hydra reads
-# `deepspeed=none` as a group choice. One process on CPU trains with plain torch.
-AFTER_COMPOSE = {"train": {"deepspeed": "none"}}
-
-
 def _run_stage(stage: str, overrides: list[str]) -> dict:
     from importlib import import_module
 
     from draftsmith.configs import compose
 
     module = {"data_gen": "draftsmith.data_gen.run", "train": "draftsmith.train.run", "eval": "draftsmith.eval.run"}
-    cfg = compose(stage, overrides)
-    for key, value in AFTER_COMPOSE.get(stage, {}).items():
-        OmegaConf.update(cfg, key, value)
-    return import_module(module[stage]).run(cfg)
+    return import_module(module[stage]).run(compose(stage, overrides))
 
 
 def run(cfg) -> dict:
