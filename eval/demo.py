@@ -12,13 +12,15 @@ Stages and their folders under `out/`:
          prompts, temperature 0, chain drafting, against target-only decoding.
 
 Each stage is skipped when its output is complete and was made with the same settings (a stamp
-`out/<stage>.done.json` holds the overrides it ran with), and resumed otherwise (data-gen
-resumes its parts; training resumes from its latest checkpoint).
+`out/<stage>.done.json` holds the overrides it ran with) from unchanged inputs; an interrupted
+stage resumes (data-gen its parts, training its latest checkpoint); a stage finished with other
+settings, or whose input was just remade, is redone from scratch.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +100,9 @@ def stage_overrides(cfg, s: dict, out: Path) -> dict[str, list[str]]:
     }
 
 
+FOLDERS = {"data_gen": "data", "train": "head", "eval": "eval"}
+
+
 def _done(out: Path, stage: str, overrides: list[str]) -> bool:
     stamp = out / f"{stage}.done.json"
     return stamp.is_file() and json.loads(stamp.read_text()).get("overrides") == overrides
@@ -121,10 +126,16 @@ def run(cfg) -> dict:
     plan = stage_overrides(cfg, s, out)
     summary: dict = {"out": str(out), "flavour": cfg.flavour, "sizes": s, "seconds": {}, "skipped": []}
     t_all = time.perf_counter()
+    upstream_ran = False
     for stage, overrides in plan.items():
-        if _done(out, stage, overrides):
+        if not upstream_ran and _done(out, stage, overrides):
             summary["skipped"].append(stage)
             continue
+        stamp = out / f"{stage}.done.json"
+        if stamp.is_file() or upstream_ran:  # finished with other settings, or its input changed: redo it
+            stamp.unlink(missing_ok=True)
+            shutil.rmtree(out / FOLDERS[stage], ignore_errors=True)
+        upstream_ran = True
         if stage == "train":
             from draftsmith.train.checkpoint import list_checkpoints
 

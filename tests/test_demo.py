@@ -30,6 +30,10 @@ def test_tiny_demo_end_to_end_then_skipped(tmp_path, capsys):
     # changing the eval knob reruns eval only
     third = run(compose("demo", ["flavour=tiny", f"out={tmp_path}", "progress=false", "eval_max_new_tokens=6"]))
     assert third["skipped"] == ["data_gen", "train"]
+    # changing a training knob retrains and re-evaluates
+    fourth = run(compose("demo", ["flavour=tiny", f"out={tmp_path}", "progress=false", "eval_max_new_tokens=6",
+                                  "train_steps=2"]))
+    assert fourth["skipped"] == ["data_gen"] and set(fourth["seconds"]) == {"train", "eval", "total"}
 
 
 def test_sizes_take_explicit_knobs():
