@@ -58,3 +58,15 @@ def test_micro_batches_split_across_ranks_like_accumulation():
     two = [micro_batches(batch, 2, rank=r, world=2) for r in range(2)]
     assert one == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert two == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+
+
+@pytest.mark.parametrize("zero", ["zero1", "zero2", "zero3", "none"])
+def test_every_deepspeed_option_composes(zero):
+    from draftsmith.configs import compose
+    from draftsmith.train.trainer import deepspeed_config
+
+    cfg = compose("train", ["target=tiny", "data=/x", f"deepspeed={zero}", "micro_batch_size=2", "grad_accum=3"])
+    assert cfg.deepspeed.config == zero and cfg.method == "eagle3" and cfg.ttt_steps == 7
+    if zero != "none":
+        ds = deepspeed_config(cfg, world=2)
+        assert ds["zero_optimization"]["stage"] == int(zero[-1]) and ds["train_batch_size"] == 12

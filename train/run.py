@@ -76,7 +76,9 @@ def seed_everything(seed: int) -> None:
 
 
 def close_distributed() -> None:
-    """Tear the process group down so every rank exits (gloo ranks otherwise wait at exit)."""
+    """Tear the process group down so every rank exits (gloo ranks otherwise wait at exit).
+
+    A single process keeps its private group: DeepSpeed caches it for later runs in the same process."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -172,7 +174,8 @@ def run(cfg) -> dict:
                 save_final(head_cpu, final, identity)
     finally:
         logger.close()
-        close_distributed()
+        if world > 1:
+            close_distributed()
     if rank == 0 and val_metrics:
         atomic_write_json(out / "val_metrics.json", val_metrics)
     return {"out": str(out), "final": str(final), "mode": mode, "steps": total_steps, "metrics": record,

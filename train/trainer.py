@@ -43,20 +43,18 @@ def init_distributed(cfg) -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.deepspeed.config == "none" and world == 1:
         return 0, 1
-    if world == 1:  # DeepSpeed needs a process group even alone
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
     backend = "gloo" if cfg.device == "cpu" else "nccl"
     if not dist.is_initialized():
-        if cfg.deepspeed.config == "none":
+        if world == 1:  # DeepSpeed needs a process group even alone: a private one on a free port
+            for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+                os.environ.setdefault(key, value)  # DeepSpeed reads these
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        elif cfg.deepspeed.config == "none":
             dist.init_process_group(backend)
-        else:
-            import deepspeed
+    if cfg.deepspeed.config != "none":
+        import deepspeed
 
-            deepspeed.init_distributed(dist_backend=backend)
+        deepspeed.init_distributed(dist_backend=backend)  # adopts the group when one exists
     return dist.get_rank(), dist.get_world_size()
 
 
