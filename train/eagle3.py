@@ -132,7 +132,7 @@ class Eagle3Step(nn.Module):
     """The trainable module the trainer wraps: the head plus its loss (the target stays outside).
 
     forward(batch) -> (loss, stats); batch holds input_ids, attention_mask, loss_mask, aux and the
-    TargetSide computed by `target_side` beforehand.
+    TargetSide computed by `TargetHead` beforehand.
     """
 
     def __init__(self, head: Eagle3Head, steps: int, decay: float):
