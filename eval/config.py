@@ -58,12 +58,6 @@ class EvalConfig:
 
 def build_settings(cfg) -> tuple[SamplingConfig, DraftingConfig]:
     """Check the options and build the decoder's settings; out-of-range values raise one sentence."""
-    if cfg.temperature < 0:
-        raise DraftsmithError(f"temperature={cfg.temperature} must be >= 0 (0 = greedy).")
-    if cfg.top_k < 0:
-        raise DraftsmithError(f"top_k={cfg.top_k} must be >= 0 (0 = off).")
-    if not 0 < cfg.top_p <= 1:
-        raise DraftsmithError(f"top_p={cfg.top_p} must be in (0, 1].")
     if cfg.max_new_tokens < 1:
         raise DraftsmithError(f"max_new_tokens={cfg.max_new_tokens} must be at least 1.")
     if cfg.repeats < 1:
@@ -75,7 +69,9 @@ def build_settings(cfg) -> tuple[SamplingConfig, DraftingConfig]:
     for b in cfg.baselines:
         if b not in BASELINES:
             raise DraftsmithError(f"baselines has {b!r}; choose from {', '.join(BASELINES)}.")
-    d = cfg.drafting  # DraftingConfig checks its own ranges when built
+    # SamplingConfig and DraftingConfig check their own ranges when built.
+    sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
+    d = cfg.drafting
     drafting = DraftingConfig(mode=d.mode, num_speculative_tokens=d.num_speculative_tokens,
                               tree_top_k=d.tree_top_k, tree_budget=d.tree_budget)
-    return SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p), drafting
+    return sampling, drafting

@@ -33,11 +33,11 @@ class SamplingConfig:
 
     def __post_init__(self):
         if self.temperature < 0:
-            raise DraftsmithError(f"sampling.temperature={self.temperature} must be >= 0 (0 = greedy).")
+            raise DraftsmithError(f"temperature={self.temperature} must be >= 0 (0 = greedy).")
         if self.top_k < 0:
-            raise DraftsmithError(f"sampling.top_k={self.top_k} must be >= 0 (0 = off).")
+            raise DraftsmithError(f"top_k={self.top_k} must be >= 0 (0 = off).")
         if not 0 < self.top_p <= 1:
-            raise DraftsmithError(f"sampling.top_p={self.top_p} must be in (0, 1].")
+            raise DraftsmithError(f"top_p={self.top_p} must be in (0, 1].")
 
     @property
     def greedy(self) -> bool:

@@ -64,7 +64,7 @@ class DemoConfig:
     train_precision: Optional[str] = None  # fp32 | bf16
     eval_max_new_tokens: Optional[int] = None
     repeats: Optional[int] = None  # eval timing repeats
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int = 3  # few: a demo-sized head accepts little past the first draft
     progress: bool = True
 
 

@@ -59,7 +59,7 @@ def markdown(report: dict) -> str:
         f"{report['n_samples']} decoded turns, {report['new_tokens']} new tokens, max_new_tokens {report['max_new_tokens']}",
         f"- timing: median of {report['repeats']} runs, {report['warmup_prompts']} warm-up prompt(s) excluded",
         f"- hardware: {report['hardware']['cpu']} ({report['hardware']['cpu_cores']} cores), device {report['hardware']['device']}",
-        f"- software: " + ", ".join(f"{k} {v}" for k, v in report["software"].items()),
+        "- software: " + ", ".join(f"{k} {v}" for k, v in report["software"].items()),
         "",
         "| category | n | tau | target-only tok/s | speculative tok/s | speedup |",
         "|---|---:|---:|---:|---:|---:|",

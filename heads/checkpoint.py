@@ -202,13 +202,19 @@ def save_eagle3(head: Eagle3Head, folder: str | os.PathLike, manifest_target: di
     tensors = head_tensors(head, dtype, include_embeddings)
     config = eagle3_config_json(head.config, manifest_target, dtype or head.fc.weight.dtype)
     config.update(extra_config or {})
+    return write_head_folder(folder, tensors, config, head.config.draft_vocab_size, manifest_target, stage, "eagle3")
+
+
+def write_head_folder(folder: Path, tensors: dict, config: dict, draft_vocab_size: int,
+                      manifest_target: dict | None, stage: str, fmt: str) -> Path:
+    """Write weights, config.json and (with a target identity) manifest.json into `folder` atomically."""
     with atomic_folder(folder) as tmp:
         write_safetensors(tmp / WEIGHTS, tensors)
         atomic_write_json(tmp / CONFIG, config)
         if manifest_target is not None:
-            counts = {"draft_vocab_size": head.config.draft_vocab_size,
+            counts = {"draft_vocab_size": draft_vocab_size,
                       "parameters": sum(t.numel() for n, t in tensors.items() if n not in FIXED_DTYPES)}
-            write_manifest(tmp, stage, manifest_target, counts, format="eagle3")
+            write_manifest(tmp, stage, manifest_target, counts, format=fmt)
     return folder
 
 

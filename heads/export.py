@@ -19,19 +19,16 @@ import torch
 from omegaconf.errors import MissingMandatoryValue
 
 from draftsmith import DraftsmithError
-from draftsmith.data_gen.manifest import MANIFEST, atomic_write_json, read_manifest, write_manifest
+from draftsmith.data_gen.manifest import MANIFEST, read_manifest
 from draftsmith.data_gen.target import torch_dtype
 from draftsmith.heads.checkpoint import (
     CONFIG,
-    FIXED_DTYPES,
-    WEIGHTS,
-    atomic_folder,
     default_aux_layer_ids,
     head_tensors,
     llama_layer_config,
     load_eagle3,
     save_eagle3,
-    write_safetensors,
+    write_head_folder,
 )
 from draftsmith.heads.eagle3 import Eagle3Head
 
@@ -121,14 +118,8 @@ def save_speculators(head: Eagle3Head, folder: str | os.PathLike, verifier: Opti
     dtype = dtype or head.fc.weight.dtype
     tensors = {speculators_name(n): t for n, t in head_tensors(head, dtype, include_embeddings).items()}
     config = speculators_config_json(head, verifier, speculative_tokens, manifest_target, dtype)
-    with atomic_folder(folder) as tmp:
-        write_safetensors(tmp / WEIGHTS, tensors)
-        atomic_write_json(tmp / CONFIG, config)
-        if manifest_target is not None:
-            counts = {"draft_vocab_size": head.config.draft_vocab_size,
-                      "parameters": sum(t.numel() for n, t in tensors.items() if n not in FIXED_DTYPES)}
-            write_manifest(tmp, "export", manifest_target, counts, format="speculators")
-    return folder
+    return write_head_folder(folder, tensors, config, head.config.draft_vocab_size, manifest_target, "export",
+                             "speculators")
 
 
 # ---------------------------------------------------------------------------------------------

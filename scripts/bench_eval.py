@@ -12,7 +12,6 @@ Prints tau and speedup per row and writes them (with the full eval reports) to -
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time

@@ -25,7 +25,6 @@ import torch.distributed as dist
 from torch import nn
 
 from draftsmith import DraftsmithError
-from draftsmith.data_gen.manifest import atomic_write_json
 from draftsmith.train import checkpoint as ckpt
 from draftsmith.train.data import TrainData, batch_order, collate, micro_batches
 
