@@ -29,7 +29,7 @@ from draftsmith.data_gen.prompts import load_prompts
 from draftsmith.data_gen.regenerate import SamplingParams, generate_tokens
 from draftsmith.data_gen.target import TargetConfig, load_target
 
-SPEC_BENCH = "/work/shared/data/spec_bench_question.jsonl"
+SPEC_BENCH = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_question.jsonl")  # ../shared beside the repo
 
 
 def prompt_ids(target, n: int, path: str) -> list[list[int]]:

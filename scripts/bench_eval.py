@@ -21,7 +21,7 @@ from draftsmith.configs import compose
 from draftsmith.data_gen.manifest import atomic_write_json
 from draftsmith.eval.run import run
 
-SPEC_BENCH = "/work/shared/data/spec_bench_question.jsonl"
+SPEC_BENCH = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_question.jsonl")  # ../shared beside the repo
 
 
 def rows_of(report: dict) -> list[dict]:

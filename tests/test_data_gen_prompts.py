@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 import json
 
 import pytest
@@ -10,7 +11,7 @@ from draftsmith import DraftsmithError
 from draftsmith.data_gen.config import PromptsConfig
 from draftsmith.data_gen.prompts import load_prompts, user_header
 
-SPEC_BENCH = "/work/shared/data/spec_bench_question.jsonl"
+SPEC_BENCH = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_question.jsonl")  # ../shared beside the repo
 
 
 def write_jsonl(path, rows):

@@ -1,5 +1,6 @@
 """Eval prompt readers: every format, per-category sampling, malformed lines named by file and line."""
 
+from pathlib import Path
 import json
 
 import pytest
@@ -8,7 +9,7 @@ from draftsmith import DraftsmithError
 from draftsmith.eval.config import EvalPromptsConfig
 from draftsmith.eval.prompts import load_prompts, read_jsonl, render, sample
 
-SPEC_BENCH = "/work/shared/data/spec_bench_question.jsonl"
+SPEC_BENCH = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_question.jsonl")  # ../shared beside the repo
 
 
 def write(path, rows):

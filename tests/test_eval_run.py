@@ -1,6 +1,7 @@
 """The eval stage end to end on the tiny target: report keys and consistency, files, refusals."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ from draftsmith.cli import main
 from draftsmith.configs import compose
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.eval.run import run
+
+SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_question.jsonl"  # ../shared
 
 REPORT_KEYS = {
     "method", "target", "head", "temperature", "top_k", "top_p", "drafting", "n_prompts", "new_tokens", "tau",
@@ -129,7 +132,7 @@ def test_cli_out_of_range_settings_exit_2(questions, tmp_path, capsys, override)
 @pytest.mark.slow
 def test_smollm2_spec_bench_ngram(tmp_path):
     """The embedded SmolLM2 on two Spec-Bench MT-bench questions (both turns): lossless, consistent figures."""
-    cfg = compose("eval", ["target=smollm2", "head=ngram", "prompts.path=/work/shared/data/spec_bench_question.jsonl",
+    cfg = compose("eval", ["target=smollm2", "head=ngram", f"prompts.path={SPEC_BENCH}",
                            "prompts.categories=[writing]", "prompts.n=2", "prompts.multi_turn=true",
                            "max_new_tokens=32", "repeats=1", "progress=false", f"out={tmp_path}"])
     report = run(cfg)
