@@ -26,7 +26,6 @@ def _setup(steps=4, T=11, B=2, draft_vocab=200):
 
 def reference_logits(head, input_ids, fused, b, t, steps):
     """Draft autoregressively from index t of row b: step 0 over the prefix, then steps 1.. one token each."""
-    H = head.config.hidden_size
     S = t + steps  # slots 0..t for step 0, then t+1.. for steps 1..
     cache = StaticKVCache(1, S, head.config.num_key_value_heads, head.config.head_dim, dtype=torch.float64)
     tokens = input_ids[b:b + 1, 1:t + 2]  # x_1 .. x_{t+1}
