@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +26,12 @@ def compose_cfg():
     from draftsmith.configs import compose
 
     return lambda stage, *overrides: compose(stage, list(overrides))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run faster on one thread: more threads only add contention."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -16,12 +16,7 @@ CHAIN = DraftingConfig(mode="chain", num_speculative_tokens=4)
 TREE = DraftingConfig(mode="tree", num_speculative_tokens=4, tree_top_k=3, tree_budget=10)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add contention
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

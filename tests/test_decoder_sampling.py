@@ -18,12 +18,7 @@ PROMPT = torch.tensor([1, 5, 2, 7, 1, 5, 2])
 N_RUNS = 2500
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add contention
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _llama(seed, scale):
