@@ -91,7 +91,11 @@ EXPECTED = {"sharegpt": "`conversations: [{from, value}]`", "openai": "`messages
             "question": "`turns: [str]`"}
 
 
-def _read_file(source: str, path: Path) -> Iterator[dict]:
+def read_conversations(source: str, path: Path) -> Iterator[dict]:
+    """{id, category, messages, line} for each record of a sharegpt / openai / question JSONL file.
+
+    Messages come back as `{role, content}`; a record of the wrong shape names file and line.
+    """
     convert = FILE_SOURCES[source]
     for lineno, obj in read_jsonl(path):
         try:
@@ -99,10 +103,15 @@ def _read_file(source: str, path: Path) -> Iterator[dict]:
         except (KeyError, TypeError, AttributeError):
             raise DraftsmithError(f"{path} line {lineno} does not hold a {source} record "
                                   f"({EXPECTED[source]}).") from None
-        if not any(m["role"] == "user" for m in messages):
-            continue
         sample_id = obj.get("question_id", obj.get("id", f"{path.stem}-{lineno}"))
-        yield {"id": str(sample_id), "category": str(obj.get("category") or ""), "messages": messages}
+        yield {"id": str(sample_id), "category": str(obj.get("category") or ""), "messages": messages,
+               "line": lineno}
+
+
+def _read_file(source: str, path: Path) -> Iterator[dict]:
+    for record in read_conversations(source, path):
+        if any(m["role"] == "user" for m in record["messages"]):
+            yield {k: record[k] for k in ("id", "category", "messages")}
 
 
 def _read_hf(name: str, split: str) -> Iterator[dict]:

@@ -14,16 +14,15 @@ is conditioned on the decoder's own first answer (`prompts.multi_turn=true`).
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 from draftsmith import DraftsmithError
+from draftsmith.data_gen.prompts import from_openai, from_sharegpt, read_conversations
 
 SOURCES = ("question", "sharegpt", "openai", "holdout")
-USER_ROLES = ("human", "user")
 
 
 @dataclass
@@ -37,71 +36,25 @@ class EvalPrompt:
     meta: dict = field(default_factory=dict)
 
 
-# --------------------------------------------------------------------------- row parsers
+# --------------------------------------------------------------------------- readers
 
-def _fail(path: Path, line: int, why: str) -> DraftsmithError:
-    return DraftsmithError(f"{path}, line {line}: {why}.")
-
-
-def _str_list(value, path: Path, line: int, key: str) -> list[str]:
-    if not isinstance(value, list) or not value or not all(isinstance(t, str) for t in value):
-        raise _fail(path, line, f"`{key}` must be a non-empty list of strings")
-    return value
-
-
-def _parse_question(row: dict, path: Path, line: int) -> EvalPrompt:
-    if "turns" not in row:
-        raise _fail(path, line, "no `turns` key (Spec-Bench / MT-bench rows have question_id, category, turns)")
-    turns = _str_list(row["turns"], path, line, "turns")
-    category = row.get("category", "default")
-    if not isinstance(category, str):
-        raise _fail(path, line, "`category` must be a string")
-    return EvalPrompt(id=str(row.get("question_id", line)), category=category, turns=turns)
-
-
-def _parse_chat(row: dict, path: Path, line: int, key: str, role_key: str, text_key: str) -> EvalPrompt:
-    messages = row.get(key)
-    if not isinstance(messages, list) or not messages:
-        raise _fail(path, line, f"no `{key}` list")
-    turns, system = [], None
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get(role_key), str) or not isinstance(m.get(text_key), str):
-            raise _fail(path, line, f"`{key}[{i}]` needs string `{role_key}` and `{text_key}` keys")
-        if m[role_key] in USER_ROLES:
-            turns.append(m[text_key])
-        elif m[role_key] == "system" and not turns:
-            system = m[text_key]
+def _from_messages(messages: list[dict], where: Path, line: int) -> tuple[list[str], Optional[str]]:
+    """(user turns, leading system message) of `{role, content}` messages; no user turn is an error."""
+    turns = [m["content"] for m in messages if m["role"] == "user"]
     if not turns:
-        raise _fail(path, line, f"`{key}` has no user turn")
-    category = row.get("category", "default")
-    return EvalPrompt(id=str(row.get("id", line)), category=str(category), turns=turns, system=system)
-
-
-PARSERS: dict[str, Callable[[dict, Path, int], EvalPrompt]] = {
-    "question": _parse_question,
-    "sharegpt": lambda row, p, n: _parse_chat(row, p, n, "conversations", "from", "value"),
-    "openai": lambda row, p, n: _parse_chat(row, p, n, "messages", "role", "content"),
-}
+        raise DraftsmithError(f"{where}, line {line}: the conversation has no user turn.")
+    system = messages[0]["content"] if messages[0]["role"] == "system" else None
+    return turns, system
 
 
 def read_jsonl(path: str | Path, source: str) -> list[EvalPrompt]:
-    """Parse every non-blank line of a JSONL prompt file; a bad line raises naming file and line."""
+    """Parse every non-blank line of a JSONL prompt file (data-gen's readers); a bad line names file and line."""
     path = Path(path)
-    if not path.is_file():
-        raise DraftsmithError(f"prompts.path={str(path)!r}: no such file.")
-    parse = PARSERS[source]
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise _fail(path, lineno, f"not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise _fail(path, lineno, "a row must be a JSON object")
-            prompts.append(parse(row, path, lineno))
+    for record in read_conversations(source, path):
+        turns, system = _from_messages(record["messages"], path, record["line"])
+        prompts.append(EvalPrompt(id=record["id"], category=record["category"] or "default", turns=turns,
+                                  system=system))
     if not prompts:
         raise DraftsmithError(f"prompts.path={str(path)!r} has no prompts.")
     return prompts
@@ -134,14 +87,13 @@ def read_holdout(folder: str | Path, holdout: int) -> list[EvalPrompt]:
         rows = [row_of[str(i)] for i in ids[n - holdout:] if str(i) in row_of]
     else:
         rows = list(range(n - holdout, n))
-    role_key, text_key = ("role", "content") if key == "messages" else ("from", "value")
+    convert = from_openai if key == "messages" else from_sharegpt
     prompts = []
     for r in rows:
         row = ds[r]
-        p = _parse_chat(row, conv_dir, r, key, role_key, text_key)
-        p.id = str(row.get("id", r))
-        p.category = str(row.get("category") or "self")
-        prompts.append(p)
+        turns, system = _from_messages(convert(row), conv_dir, r)
+        prompts.append(EvalPrompt(id=str(row.get("id", r)), category=str(row.get("category") or "self"),
+                                  turns=turns, system=system))
     return prompts
 
 
