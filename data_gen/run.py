@@ -25,7 +25,6 @@ import os
 import shutil
 import sys
 import time
-import uuid
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -75,26 +74,15 @@ def save_dataset_atomic(rows: list[dict], features, folder: Path) -> None:
     """save_to_disk under a temporary name, then swap it in: a crash never leaves a half folder."""
     import datasets
 
-    tmp = folder.parent / f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}"
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
         columns = {k: [r[k] for r in rows] for k in features}  # (from_list drops the schema of an empty set)
-        datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(tmp))
+        with mf.atomic_folder(folder) as tmp:
+            datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(tmp))
     finally:
         if bars:
             datasets.enable_progress_bars()
-    replace_folder(tmp, folder)
-
-
-def replace_folder(src: Path, dst: Path) -> None:
-    old = None
-    if dst.exists():
-        old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(dst, old)
-    os.replace(src, dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def generate_part(cfg, target, samples: list[dict]) -> tuple[list[dict], list[dict], dict]:

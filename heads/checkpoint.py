@@ -13,21 +13,18 @@ tensor name, shape and dtype before building the head.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-import tempfile
 import types
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from draftsmith import DraftsmithError
-from draftsmith.data_gen.manifest import atomic_write_json, write_manifest
+from draftsmith.data_gen.manifest import atomic_folder, atomic_write_json, write_manifest
 from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -157,29 +154,6 @@ def explicit_aux_layer_ids(manifest_target: Optional[dict]) -> Optional[list[int
 
 # ---------------------------------------------------------------------------------------------
 # Atomic folders
-
-
-@contextlib.contextmanager
-def atomic_folder(folder: str | os.PathLike) -> Iterator[Path]:
-    """Yield a hidden temporary sibling of `folder`; on success it replaces `folder`, on error it goes.
-
-    An existing `folder` is moved aside only after the new one is complete, then removed.
-    """
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
-    try:
-        yield tmp
-        old = None
-        if folder.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".old", dir=folder.parent))
-            os.replace(folder, old / folder.name)
-        os.replace(tmp, folder)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: Optional[dict] = None) -> None:
