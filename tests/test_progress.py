@@ -1,0 +1,36 @@
+"""draftsmith.progress: plain lines when stderr is not a terminal."""
+
+import io
+
+from draftsmith.progress import PlainProgress, progress
+
+
+def test_plain_lines_name_done_total_rate_and_eta():
+    buf = io.StringIO()
+    bar = PlainProgress(total=4, desc="regenerate", unit="prompt", interval=0, file=buf)
+    bar.update(1)
+    bar.update(3)
+    bar.close()
+    lines = buf.getvalue().splitlines()
+    assert lines[0].startswith("regenerate: 1/4 (25%), ") and "prompt/s" in lines[0] and "ETA" in lines[0]
+    assert lines[-1].startswith("regenerate: 4/4 (100%), ") and "ETA" not in lines[-1]
+
+
+def test_interval_limits_lines_and_close_always_prints():
+    buf = io.StringIO()
+    bar = PlainProgress(total=1000, desc="train", unit="step", interval=3600, file=buf)
+    for _ in range(1000):
+        bar.update(1)
+    assert buf.getvalue() == ""  # nothing before the interval has passed
+    bar.close()
+    bar.close()  # once only
+    assert buf.getvalue().splitlines() == [buf.getvalue().splitlines()[0]]
+    assert buf.getvalue().startswith("train: 1000/1000 (100%)")
+
+
+def test_iterates_and_disabled_prints_nothing(capsys, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_PROGRESS_INTERVAL", "0")
+    assert list(progress(range(3), desc="eval", unit="prompt")) == [0, 1, 2]  # stderr is captured: not a tty
+    assert "eval: 3/3 (100%)" in capsys.readouterr().err
+    assert list(progress(range(3), desc="eval", enabled=False)) == [0, 1, 2]
+    assert capsys.readouterr().err == ""
