@@ -8,8 +8,8 @@ Layout of `folder` (normally `out/hidden_states/`):
 
 Shard s holds samples [s * samples_per_shard, ...). Each shard is written to a temporary name and
 renamed, then recorded in index.json (itself written atomically). A killed job resumes: shards
-that the index lists with a matching file size are kept, the rest are recomputed, so every
-sample is stored exactly once. Padding is on the right with an attention mask; for a causal
+that the index lists with a matching file size and a readable header naming all their samples are
+kept; the rest (missing, truncated, corrupted) are recomputed, so every sample is stored exactly once. Padding is on the right with an attention mask; for a causal
 model the real positions do not see it, and it is stripped per sample before storing.
 """
 
@@ -19,9 +19,8 @@ import json
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
-
 from draftsmith.data_gen.manifest import atomic_write_bytes, atomic_write_json
+from draftsmith.progress import progress
 from draftsmith.data_gen.target import torch_dtype
 
 INDEX = "index.json"
@@ -49,22 +48,54 @@ def _index_header(target, dtype: str, input_ids: list[list[int]], samples_per_sh
             "target_hash": target.target_hash}
 
 
+def shard_problem(path: Path, entry: dict) -> str | None:
+    """Why a shard file cannot be used as its index entry says (missing, truncated, corrupted), or None.
+
+    Checks the size and the safetensors header (which names every `{i}.aux` / `{i}.last` tensor);
+    it reads no tensor data.
+    """
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return "is missing"
+    size = path.stat().st_size
+    if size != entry.get("bytes"):
+        return f"has {size} bytes, its index says {entry.get('bytes')} (truncated or overwritten)"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+    except Exception as e:  # safetensors raises its own error kinds for a bad header
+        return f"is not a readable safetensors file ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    first, count = entry.get("first"), entry.get("count")
+    if not isinstance(first, int) or not isinstance(count, int):
+        return "has a malformed entry in index.json"
+    missing = [i for i in range(first, first + count) if f"{i}.aux" not in keys or f"{i}.last" not in keys]
+    if missing:
+        return f"lacks the hidden states of sample {missing[0]}"
+    return None
+
+
 def _finished_shards(folder: Path, header: dict) -> dict[int, dict]:
-    """Shards a previous run of the same job finished: listed in its index, file present, size equal."""
+    """Shards a previous run of the same job finished: listed in its index, file readable and complete.
+
+    Anything else (no index, a corrupt one, a missing, truncated or corrupted shard) is recomputed.
+    """
     path = folder / INDEX
     if not path.is_file():
         return {}
     try:
         old = json.loads(path.read_text())
-    except json.JSONDecodeError:
+        if any(old.get(k) != v for k, v in header.items()):
+            return {}
+        done = {}
+        for entry in old.get("shards", []):
+            s, first, count = entry["first"] // header["samples_per_shard"], entry["first"], entry["count"]
+            if entry["file"] != shard_name(s) or first != s * header["samples_per_shard"] or count < 1:
+                continue
+            if shard_problem(folder / entry["file"], entry) is None:
+                done[s] = entry
+    except (ValueError, KeyError, TypeError, AttributeError):  # a corrupt index: start over
         return {}
-    if any(old.get(k) != v for k, v in header.items()):
-        return {}
-    done = {}
-    for entry in old.get("shards", []):
-        f = folder / entry["file"]
-        if f.is_file() and f.stat().st_size == entry.get("bytes"):
-            done[entry["first"] // header["samples_per_shard"]] = entry
     return done
 
 
@@ -100,11 +131,11 @@ def capture_hidden_states(target, input_ids: list[list[int]], folder: str | Path
     done = _finished_shards(folder, header)
     num_shards = (n + samples_per_shard - 1) // samples_per_shard
     total = sum(len(x) for x in input_ids)
-    with tqdm(total=total, desc="capture", unit="tok", leave=False, disable=None) as bar:
+    kept = sum(len(x) for s in done for x in input_ids[s * samples_per_shard:(s + 1) * samples_per_shard])
+    with progress(total=total, desc="capture", unit="tok", initial=kept) as bar:
         for s in range(num_shards):
             first, count = s * samples_per_shard, min(samples_per_shard, n - s * samples_per_shard)
             if s in done:
-                bar.update(sum(len(x) for x in input_ids[first:first + count]))
                 continue
             order = sorted(range(first, first + count), key=lambda i: -len(input_ids[i]))
             tensors = {}

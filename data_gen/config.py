@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from draftsmith.data_gen.target import TargetConfig
+from draftsmith import DraftsmithError, checks
+from draftsmith.data_gen.target import DTYPES, TargetConfig
+
+PROMPT_SOURCES = ("self", "sharegpt", "openai", "question", "hf")
 
 
 @dataclass
@@ -13,31 +16,54 @@ class PromptsConfig:
     # self | sharegpt | openai | question | hf  (question = Spec-Bench / MT-bench `turns` JSONL;
     # hf = a `datasets` dataset saved to disk or named by hub id)
     source: str = "self"
-    path: Optional[str] = None
-    split: str = "train"
+    path: Optional[str] = None  # the prompt file (JSONL), or the hf dataset folder or hub id
+    split: str = "train"  # hf: the dataset split
     # Most prompts to use (self: how many the target writes). None = all.
     n: Optional[int] = 64
-    seed: int = 0
+    seed: int = 0  # sampling of the prompt set (and of self-written prompts)
     # self-written prompts: sampling of the user turn
-    temperature: float = 1.0
-    top_p: float = 0.95
-    max_prompt_tokens: int = 64
+    temperature: float = 1.0  # self: sampling temperature of the user turn
+    top_p: float = 0.95  # self: nucleus sampling of the user turn, in (0, 1]
+    max_prompt_tokens: int = 64  # self: length cap of a written prompt, in tokens
     # self: a system message to render before the user header (None = the template's default)
     system: Optional[str] = None
     # self: give up after this many sampled prompts (None = 8 * n)
     max_attempts: Optional[int] = None
 
+    def __post_init__(self):
+        self._check_source()
+        checks.at_least("prompts.n", self.n, 1, null="all")
+        checks.at_least("prompts.temperature", self.temperature, 0)
+        checks.in_range("prompts.top_p", self.top_p, 0, 1, low_open=True)
+        checks.at_least("prompts.max_prompt_tokens", self.max_prompt_tokens, 1)
+        checks.at_least("prompts.max_attempts", self.max_attempts, 1, null="8 * n")
+
+    def _check_source(self):
+        checks.one_of("prompts.source", self.source, PROMPT_SOURCES)
+
+    def check_required(self):
+        """Before a run (draftsmith.configs.check_config): every source but self reads prompts.path."""
+        if self.source != "self" and self.path in (None, "", "???"):
+            what = "<dataset folder or hub id>" if self.source == "hf" else "<file.jsonl>"
+            raise DraftsmithError(f"prompts={self.source} needs a file: set prompts.path={what}.")
+
 
 @dataclass
 class BackendConfig:
     kind: str = "hf"  # hf (batched, built in) | openai (any OpenAI-compatible server: vllm serve, SGLang)
-    batch_size: int = 16
-    url: str = "http://127.0.0.1:8000/v1"
+    batch_size: int = 16  # hf: conversations generated together
+    url: str = "http://127.0.0.1:8000/v1"  # openai: the server's base URL
     model: Optional[str] = None  # served model name for the openai backend
-    concurrency: int = 8
-    timeout_s: float = 600.0
+    concurrency: int = 8  # openai: requests in flight
+    timeout_s: float = 600.0  # openai: seconds per request
     # hf: drop finished rows from the batch (and its KV cache) as they end
     prune_finished: bool = True
+
+    def __post_init__(self):
+        checks.one_of("backend.kind", self.kind, ("hf", "openai"))
+        checks.at_least("backend.batch_size", self.batch_size, 1)
+        checks.at_least("backend.concurrency", self.concurrency, 1)
+        checks.positive("backend.timeout_s", self.timeout_s)
 
 
 @dataclass
@@ -45,19 +71,32 @@ class DataGenConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
-    out: str = "runs/data"
-    seed: int = 0
+    out: str = "runs/data"  # output folder
+    overwrite: bool = False  # true: write into an out folder that is not an earlier data-gen output
+    seed: int = 0  # sampling seed of the regeneration
     # Regeneration of every assistant turn by the target.
-    regenerate: bool = True
-    temperature: float = 0.0
-    top_p: float = 1.0
-    max_new_tokens: int = 256
+    regenerate: bool = True  # false: keep the prompt set's own assistant turns
+    temperature: float = 0.0  # of the regeneration; 0 = greedy
+    top_p: float = 1.0  # of the regeneration, in (0, 1]
+    max_new_tokens: int = 256  # per regenerated assistant turn
+    regenerate_chunk: int = 64  # prompts per saved regeneration part (a killed run resumes from the last one)
     # Tokenization with assistant-only loss masks.
-    max_length: int = 2048
+    max_length: int = 2048  # tokens per sample
     on_overflow: str = "truncate"  # truncate | drop
     reasoning: str = "keep"  # keep | strip  (<think>...</think> blocks in assistant turns)
     # Offline mode: capture the target's hidden states beside the tokenized set.
-    hidden_states: bool = False
-    hidden_states_dtype: str = "bfloat16"
-    samples_per_shard: int = 256
-    capture_batch_size: int = 8
+    hidden_states: bool = False  # true: also capture the target's hidden states (offline training)
+    hidden_states_dtype: str = "bfloat16"  # storage dtype of the captured hidden states
+    samples_per_shard: int = 256  # hidden states: samples per shard file
+    capture_batch_size: int = 8  # hidden states: samples per target forward
+
+    def __post_init__(self):
+        checks.at_least("temperature", self.temperature, 0)
+        checks.in_range("top_p", self.top_p, 0, 1, low_open=True)
+        checks.at_least("max_new_tokens", self.max_new_tokens, 1)
+        checks.at_least("max_length", self.max_length, 1)
+        checks.one_of("on_overflow", self.on_overflow, ("truncate", "drop"))
+        checks.one_of("reasoning", self.reasoning, ("keep", "strip"))
+        checks.one_of("hidden_states_dtype", self.hidden_states_dtype, DTYPES)
+        checks.at_least("samples_per_shard", self.samples_per_shard, 1)
+        checks.at_least("capture_batch_size", self.capture_batch_size, 1)

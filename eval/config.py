@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, checks
 from draftsmith.data_gen.config import PromptsConfig
 from draftsmith.data_gen.target import TargetConfig
 from draftsmith.eval.decoder import DraftingConfig, SamplingConfig
@@ -25,6 +25,19 @@ class EvalPromptsConfig(PromptsConfig):
     multi_turn: bool = False  # decode every user turn, each after the decoder's own previous answers
     holdout: int = 16  # holdout: the last this-many conversations of the data-gen output
 
+    def __post_init__(self):
+        super().__post_init__()
+        checks.at_least("prompts.per_category", self.per_category, 1, null="all")
+        if self.source == "holdout":
+            checks.at_least("prompts.holdout", self.holdout, 1)
+
+    def _check_source(self):
+        pass  # data-gen's prompt options compose here too; draftsmith.eval.prompts.load_prompts names the sources
+
+    def check_required(self):
+        if self.path in (None, "", "???"):
+            raise DraftsmithError(f"prompts.source={self.source} needs prompts.path=<file or folder>.")
+
 
 @dataclass
 class EvalConfig:
@@ -33,31 +46,38 @@ class EvalConfig:
     # The drafter: an EAGLE-3 checkpoint / exported folder, an HF draft-model folder, `ngram`, or
     # `none` (target-only decoding only).
     head: str = "ngram"
-    out: str = "runs/eval"
+    out: str = "runs/eval"  # output folder: report.json, report.md, plot
+    overwrite: bool = False  # true: write into an out folder that is not an earlier eval output
     # Sampling (applied to both target and draft distributions); temperature 0 = greedy.
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # nucleus sampling, in (0, 1]
     drafting: DraftingConfig = field(default_factory=DraftingConfig)
     # n-gram proposer (the `ngram` head and baseline): longest suffix match up to this length.
-    ngram_max: int = 3
-    ngram_min: int = 1
-    max_new_tokens: int = 128
+    ngram_max: int = 3  # n-gram proposer: longest suffix matched
+    ngram_min: int = 1  # n-gram proposer: shortest suffix matched
+    max_new_tokens: int = 128  # per decoded turn
     # Timing: every prompt is decoded `repeats` times by each method; its time is the median.
-    repeats: int = 3
+    repeats: int = 3  # timing: decodes of every prompt by each method (the median counts)
     warmup_prompts: int = 1  # decoded first by every method, excluded from every figure
-    seed: int = 0
+    seed: int = 0  # prompt sampling and decoding
     # Extra rows: ngram (our decoder with the n-gram proposer), hf_generate (transformers'
     # target-only generate), hf_assisted (transformers' generate(assistant_model=...) for draft models).
     baselines: list[str] = field(default_factory=list)
     # KV-cache slots of the target runner; None = longest prompt + turns * max_new_tokens + draft room.
     max_len: Optional[int] = None
-    progress: bool = True
-    plot: bool = True
+    progress: bool = True  # show a progress bar
+    plot: bool = True  # write the acceptance / speedup plot
+
+    def __post_init__(self):
+        if not self.head:
+            raise DraftsmithError("head is empty: pass head=<EAGLE-3 folder | draft-model folder | ngram | none>.")
+        check_options(self)
+        checks.at_least("max_len", self.max_len, 1, null="as long as needed")
 
 
-def build_settings(cfg) -> tuple[SamplingConfig, DraftingConfig]:
-    """Check the options and build the decoder's settings; out-of-range values raise one sentence."""
+def check_options(cfg) -> None:
+    """Range checks of the decoding options (EvalConfig runs them when built; so does build_settings)."""
     if cfg.max_new_tokens < 1:
         raise DraftsmithError(f"max_new_tokens={cfg.max_new_tokens} must be at least 1.")
     if cfg.repeats < 1:
@@ -69,6 +89,12 @@ def build_settings(cfg) -> tuple[SamplingConfig, DraftingConfig]:
     for b in cfg.baselines:
         if b not in BASELINES:
             raise DraftsmithError(f"baselines has {b!r}; choose from {', '.join(BASELINES)}.")
+    SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)  # checks its own ranges
+
+
+def build_settings(cfg) -> tuple[SamplingConfig, DraftingConfig]:
+    """Check the options and build the decoder's settings; out-of-range values raise one sentence."""
+    check_options(cfg)
     # SamplingConfig and DraftingConfig check their own ranges when built.
     sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
     d = cfg.drafting

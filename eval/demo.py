@@ -14,12 +14,15 @@ Stages and their folders under `out/`:
 Each stage is skipped when its output is complete and was made with the same settings (a stamp
 `out/<stage>.done.json` holds the overrides it ran with) from unchanged inputs; an interrupted
 stage resumes (data-gen its parts, training its latest checkpoint); a stage finished with other
-settings, or whose input was just remade, is redone from scratch.
+settings, or whose input was just remade, is redone from scratch (the demo then removes only what that
+stage wrote). `out` and its three folders must be new, empty or the demo's (the stage's) own earlier
+output; anything else is refused before any work unless overwrite=true, and no user file is removed.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -29,6 +32,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 from draftsmith import DraftsmithError
+from draftsmith.data_gen import manifest as mf
 from draftsmith.data_gen.manifest import atomic_write_bytes, atomic_write_json
 
 # Sizes of each flavour; a DemoConfig knob left at None takes its flavour's value.
@@ -51,21 +55,35 @@ FLAVOURS = {
 @dataclass
 class DemoConfig:
     flavour: str = "smollm2"  # smollm2 | tiny (sizes below default to the flavour's)
-    out: str = "runs/demo"
-    seed: int = 0
+    out: str = "runs/demo"  # output folder: data/, head/, eval/
+    overwrite: bool = False  # true: use an out folder (and data/, head/, eval/ in it) the demo did not make
+    seed: int = 0  # of every stage
     n_prompts: Optional[int] = None  # self-written training prompts
     max_prompt_tokens: Optional[int] = None  # length cap of a self-written prompt
     eval_prompts: Optional[int] = None  # more self-written prompts, held out for eval
     gen_max_new_tokens: Optional[int] = None  # answer length in data-gen
-    train_steps: Optional[int] = None
-    lr: Optional[float] = None
-    draft_vocab_size: Optional[int] = None
+    train_steps: Optional[int] = None  # optimizer steps of the training
+    lr: Optional[float] = None  # peak learning rate of the training
+    draft_vocab_size: Optional[int] = None  # the head's draft vocabulary
     max_length: Optional[int] = None  # training sequence length
     train_precision: Optional[str] = None  # fp32 | bf16
-    eval_max_new_tokens: Optional[int] = None
+    eval_max_new_tokens: Optional[int] = None  # answer length in eval
     repeats: Optional[int] = None  # eval timing repeats
     num_speculative_tokens: int = 3  # few: a demo-sized head accepts little past the first draft
-    progress: bool = True
+    progress: bool = True  # show progress bars
+
+    def __post_init__(self):
+        from draftsmith import checks
+
+        checks.one_of("flavour", self.flavour, FLAVOURS)
+        checks.at_least("n_prompts", self.n_prompts, 2, null="the flavour's")
+        for name in ("max_prompt_tokens", "eval_prompts", "gen_max_new_tokens", "train_steps", "draft_vocab_size",
+                     "max_length", "eval_max_new_tokens", "repeats"):
+            checks.at_least(name, getattr(self, name), 1, null="the flavour's")
+        checks.positive("lr", self.lr, null="the flavour's")
+        if self.train_precision is not None:
+            checks.one_of("train_precision", self.train_precision, ("fp32", "bf16"))
+        checks.in_range("num_speculative_tokens", self.num_speculative_tokens, 1, 64)
 
 
 def sizes(cfg) -> dict:
@@ -105,6 +123,27 @@ def stage_overrides(cfg, s: dict, out: Path) -> dict[str, list[str]]:
 
 
 FOLDERS = {"data_gen": "data", "train": "head", "eval": "eval"}
+# What a redo removes from a stage's folder: only what that stage writes (a file the user put there stays).
+# data-gen: nothing, its own resume redoes exactly what the changed settings affect.
+STAGE_FILES = {
+    "data_gen": (),
+    "train": ("checkpoints", "final", "metrics.jsonl", "val_metrics.json", "config.yaml", "wandb"),
+    "eval": ("report.json", "report.md", "report.png", "manifest.json", "config.yaml"),
+}
+
+
+def clear_stage(folder: Path, stage: str) -> None:
+    """Remove `stage`'s earlier output from `folder` so it is redone from scratch; refuse a folder it did not make."""
+    if not folder.is_dir():
+        return
+    if not mf.is_empty(folder) and not mf.owns(folder, stage):
+        raise mf.not_owned_error(folder, stage)
+    for name in STAGE_FILES[stage]:
+        path = folder / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            path.unlink()
 
 
 def _done(out: Path, stage: str, overrides: list[str]) -> bool:
@@ -124,8 +163,15 @@ def _run_stage(stage: str, overrides: list[str]) -> dict:
 def run(cfg) -> dict:
     """Run (or skip / resume) the three stages; returns {stage: seconds, ..., "report": eval report}."""
     s = sizes(cfg)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    overwrite = bool(getattr(cfg, "overwrite", False))
+    out = mf.prepare_output(cfg.out, "demo", overwrite=overwrite)
+    for stage, name in FOLDERS.items():  # each stage's folder: new, empty or that stage's own (before any work)
+        mf.prepare_output(out / name, stage, overwrite=overwrite)
+    mf.claim_output(out, "demo")
+    if overwrite:  # the stages then write into these folders as their own
+        for stage, name in FOLDERS.items():
+            if (out / name).is_dir() and not mf.owns(out / name, stage):
+                mf.claim_output(out / name, stage)
     atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg).encode())
     plan = stage_overrides(cfg, s, out)
     summary: dict = {"out": str(out), "flavour": cfg.flavour, "sizes": s, "seconds": {}, "skipped": []}
@@ -138,7 +184,7 @@ def run(cfg) -> dict:
         stamp = out / f"{stage}.done.json"
         if stamp.is_file() or upstream_ran:  # finished with other settings, or its input changed: redo it
             stamp.unlink(missing_ok=True)
-            shutil.rmtree(out / FOLDERS[stage], ignore_errors=True)
+            clear_stage(out / FOLDERS[stage], stage)
         upstream_ran = True
         if stage == "train":
             from draftsmith.train.checkpoint import list_checkpoints

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from draftsmith import DraftsmithError
-from draftsmith.data_gen.prompts import from_openai, from_sharegpt, read_conversations
+from draftsmith.data_gen.prompts import from_openai, from_sharegpt, read_conversations, skipped_text, with_user_turn
 
 SOURCES = ("question", "sharegpt", "openai", "holdout")
 
@@ -48,15 +48,19 @@ def _from_messages(messages: list[dict], where: Path, line: int) -> tuple[list[s
 
 
 def read_jsonl(path: str | Path, source: str) -> list[EvalPrompt]:
-    """Parse every non-blank line of a JSONL prompt file (data-gen's readers); a bad line names file and line."""
+    """Parse every non-blank line of a JSONL prompt file (data-gen's readers); a bad line names file and line.
+
+    A record without a user turn is skipped and reported, as data-gen does (`with_user_turn`).
+    """
     path = Path(path)
-    prompts = []
-    for record in read_conversations(source, path):
+    prompts, skipped = [], []
+    for record in with_user_turn(read_conversations(source, path), str(path), skipped):  # data-gen's rule
         turns, system = _from_messages(record["messages"], path, record["line"])
         prompts.append(EvalPrompt(id=record["id"], category=record["category"] or "default", turns=turns,
                                   system=system))
     if not prompts:
-        raise DraftsmithError(f"prompts.path={str(path)!r} has no prompts.")
+        why = f": {skipped_text(skipped, str(path))} were skipped" if skipped else ""
+        raise DraftsmithError(f"prompts.path={str(path)!r} has no prompts{why}.")
     return prompts
 
 

@@ -176,11 +176,15 @@ def runner_max_len(cfg, tokenizer, prompts: list[EvalPrompt], drafting: Drafting
 
 def run(cfg) -> dict:
     """Evaluate `cfg.head` on `cfg.prompts`; returns the report (also written under cfg.out)."""
-    from tqdm import tqdm
+    from draftsmith.progress import progress
 
     from draftsmith.eval.target_runner import TargetRunner
 
     sampling, drafting = build_settings(cfg)
+    head_path = None if str(cfg.head) in ("ngram", "none") else cfg.head
+    out = mf.prepare_output(cfg.out, "eval", [("head", head_path), ("prompts.path", cfg.prompts.path),
+                                              ("target", cfg.target.name)],
+                            overwrite=bool(getattr(cfg, "overwrite", False)))  # before any decoding
     prompts = load_prompts(cfg.prompts)
     target = load_target(cfg.target)
     tok, eos = target.tokenizer, target.eos_token_ids
@@ -210,7 +214,7 @@ def run(cfg) -> dict:
 
     samples: dict[str, list[metrics.Sample]] = {m: [] for m in methods}
     hf_samples: dict[str, list[metrics.Sample]] = {b: [] for b in cfg.baselines if b.startswith("hf_")}
-    for prompt in tqdm(prompts, desc=f"eval {drafter.method}", unit="prompt", disable=not cfg.progress):
+    for prompt in progress(prompts, desc=f"eval {drafter.method}", unit="prompt", enabled=cfg.progress):
         runs = {m: [] for m in methods}
         for _ in range(cfg.repeats):  # methods interleaved, so drift in machine speed hits all alike
             for m, proposer in methods.items():
@@ -229,8 +233,7 @@ def run(cfg) -> dict:
     main = drafter.method if drafter.make is not None else TARGET_ONLY
     report = build_report(cfg, target, drafter, prompts, samples, hf_samples, main, sampling, drafting)
     report["wall_s"] = round(time.perf_counter() - t0, 2)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    mf.claim_output(out, "eval")
     mf.atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg).encode())
     report["files"] = write_report(out, report, plot=cfg.plot)
     mf.write_manifest(out, stage="eval", target=target.identity(),

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from draftsmith import DraftsmithError
-from draftsmith.data_gen.manifest import atomic_folder, atomic_write_json, write_manifest
+from draftsmith.data_gen.manifest import atomic_folder, atomic_write_json, claim_output, write_manifest
 from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -181,14 +181,21 @@ def save_eagle3(head: Eagle3Head, folder: str | os.PathLike, manifest_target: di
 
 def write_head_folder(folder: Path, tensors: dict, config: dict, draft_vocab_size: int,
                       manifest_target: dict | None, stage: str, fmt: str) -> Path:
-    """Write weights, config.json and (with a target identity) manifest.json into `folder` atomically."""
-    with atomic_folder(folder) as tmp:
+    """Write weights, config.json and (with a target identity) manifest.json into `folder` atomically.
+
+    The export stage replaces only its own earlier output (a folder that is not is refused), and
+    marks a folder without a manifest as its own so that a rerun may replace it.
+    """
+    owner = stage if stage == "export" else None
+    with atomic_folder(folder, owner=owner) as tmp:
         write_safetensors(tmp / WEIGHTS, tensors)
         atomic_write_json(tmp / CONFIG, config)
         if manifest_target is not None:
             counts = {"draft_vocab_size": draft_vocab_size,
                       "parameters": sum(t.numel() for n, t in tensors.items() if n not in FIXED_DTYPES)}
             write_manifest(tmp, stage, manifest_target, counts, format=fmt)
+        elif owner is not None:
+            claim_output(tmp, owner)
     return folder
 
 

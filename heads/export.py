@@ -19,7 +19,7 @@ import torch
 from omegaconf.errors import MissingMandatoryValue
 
 from draftsmith import DraftsmithError
-from draftsmith.data_gen.manifest import MANIFEST, read_manifest
+from draftsmith.data_gen.manifest import MANIFEST, claim_output, owns, prepare_output, read_manifest
 from draftsmith.data_gen.target import torch_dtype
 from draftsmith.heads.checkpoint import (
     CONFIG,
@@ -41,12 +41,23 @@ SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config schema thi
 class ExportConfig:
     head: str = "???"  # folder written by `draftsmith train` (an EAGLE-3 folder)
     format: str = "eagle3"  # eagle3 | speculators
-    out: Optional[str] = None  # default: beside the head, `<head>-<format>`
+    out: Optional[str] = None  # output folder; default: beside the head, `<head>-<format>`
     # speculators: the verifier's HF id or folder (default: the target id in the head's manifest)
     verifier: Optional[str] = None
     speculative_tokens: int = 3  # speculators: the greedy proposal's default length
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # dtype of the written weights: bfloat16 | float16 | float32
     include_embeddings: bool = True  # False: engines share the target's embeddings
+    overwrite: bool = False  # true: replace an out folder that is not an earlier export (never the head's)
+
+    def __post_init__(self):
+        from draftsmith import checks
+        from draftsmith.data_gen.target import DTYPES
+
+        if not self.head:
+            raise DraftsmithError("export.head is not set: pass head=<folder written by draftsmith train>.")
+        checks.one_of("format", self.format, FORMATS)
+        checks.at_least("speculative_tokens", self.speculative_tokens, 1)
+        checks.one_of("dtype", self.dtype, DTYPES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,11 +154,13 @@ def run(cfg) -> Path:
         raise DraftsmithError(f"export.format={cfg.format!r} is not one of {list(FORMATS)}.")
     head_dir = Path(cfg.head)
     out = Path(cfg.out) if cfg.out else head_dir.with_name(f"{head_dir.name}-{cfg.format}")
-    if out.resolve() == head_dir.resolve() or head_dir.resolve() in out.resolve().parents:
-        raise DraftsmithError(f"export.out={out} is inside the head folder {head_dir}; choose another folder.")
+    inputs = [("head", head_dir)] + ([("verifier", cfg.verifier)] if cfg.verifier else [])
+    out = prepare_output(out, "export", inputs, overwrite=bool(getattr(cfg, "overwrite", False)))
     dtype = torch_dtype(cfg.dtype)
     head = load_eagle3(head_dir)
     target = read_manifest(head_dir).get("target") if (head_dir / MANIFEST).is_file() else None
+    if not owns(out, "export"):
+        claim_output(out, "export")  # the atomic swap below then replaces only our own folder
     if cfg.format == "eagle3":
         path = save_eagle3(head, out, manifest_target=target, dtype=dtype,
                            include_embeddings=cfg.include_embeddings, stage="export")

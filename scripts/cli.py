@@ -13,6 +13,8 @@ config beside its output. User errors (DraftsmithError) print one sentence and e
 from __future__ import annotations
 
 import importlib
+import inspect
+import re
 import sys
 
 # subcommand -> (module holding `run(cfg)`, config name under draftsmith/configs)
@@ -25,6 +27,8 @@ SUBCOMMANDS = {
 }
 
 USAGE = """usage: draftsmith <command> [key=value ...]   (Hydra overrides; --cfg job prints the config)
+       draftsmith <command> --help   (every option with its default)
+       draftsmith --version
 
 commands:
   data-gen   prompts -> the target's own conversations -> tokenized set (+ hidden states)
@@ -35,8 +39,109 @@ commands:
 """
 
 
+# Hydra flags after which the CLI leaves composition to Hydra (it does not build a run's config)
+HYDRA_OWN = ("multirun", "config_path", "config_name", "config_dir", "shell_completion", "info", "hydra_help",
+             "experimental_rerun")
+
+
+def version() -> str:
+    from draftsmith import __version__
+
+    return f"draftsmith {__version__}"
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Field name -> its description: the comment after the field, else the comment lines right above it.
+
+    Base classes first, so a subclass (EvalPromptsConfig) overrides what it redefines."""
+    import dataclasses
+
+    docs: dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        above: list[str] = []
+        for line in source.splitlines()[1:]:
+            comment = re.match(r"^ {4}#\s?(.*)$", line)
+            if comment:
+                above.append(comment.group(1).strip())
+                continue
+            m = re.match(r"^ {4}(\w+)\s*:[^#]*?(?:#\s*(.*))?$", line)
+            if m and m.group(1) in klass.__dataclass_fields__:
+                docs[m.group(1)] = (m.group(2) or " ".join(above)).strip()
+            above = []
+    return docs
+
+
+def _show(value) -> str:
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value, resolve=True)
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_show(v) for v in value) + "]"
+    return "''" if value == "" else str(value)
+
+
+def option_rows(cls, node, prefix: str = ""):
+    """(dotted option, default, description) for every field of a schema dataclass, nested ones expanded."""
+    import dataclasses
+
+    from omegaconf import DictConfig, OmegaConf
+
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        name = prefix + f.name
+        missing = OmegaConf.is_missing(node, f.name)
+        child = None if missing else node[f.name]
+        sub = OmegaConf.get_type(child) if isinstance(child, DictConfig) else None
+        if sub is not None and dataclasses.is_dataclass(sub):
+            yield from option_rows(sub, child, name + ".")
+            continue
+        doc = docs.get(f.name, "")
+        if doc.startswith("tests only: "):
+            doc = doc.removeprefix("tests only: ") + " (tests only)"
+        if missing:
+            doc = f"{doc} (required)".strip()
+        yield name, "???" if missing else _show(child), doc
+
+
+def option_help(command: str, config_name: str) -> str:
+    """`draftsmith <command> --help`: every option with its default (as the stage's YAML sets it) and description."""
+    from pathlib import Path
+
+    import draftsmith.configs as configs
+
+    cfg = configs.compose(config_name)
+    rows = list(option_rows(configs.schema(config_name), cfg))
+    summary = next((ln.split(None, 1)[1] for ln in USAGE.splitlines() if ln.strip().startswith(command + " ")), "")
+    width = min(max(len(f"{n}={d}") for n, d, _ in rows), 44)
+    lines = [f"usage: draftsmith {command} [key=value ...]   (Hydra overrides; --cfg job prints the config)",
+             "", f"{command}: {summary.strip()}", "", "options (key=default  description):"]
+    for name, default, doc in rows:
+        left = f"{name}={default}"
+        lines.append(f"  {left:<{width}}  {doc}" if len(left) <= width else f"  {left}\n  {'':<{width}}  {doc}")
+    folder = Path(configs.__file__).parent
+    stage_yaml = (folder / f"{config_name}.yaml").read_text()
+    groups = [f"  {d.name}=" + "|".join(sorted(p.stem for p in d.glob("*.yaml")))
+              for d in sorted(folder.iterdir()) if d.is_dir() and f"- {d.name}:" in stage_yaml]
+    if groups:
+        lines += ["", "option groups (presets of the options above):", *groups]
+    lines += ["", "Hydra's own flags: --cfg job|hydra|all, --info, --hydra-help, --multirun."]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("--version", "-V", "version"):
+        print(version())
+        sys.exit(0)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         sys.exit(0 if argv else 2)
@@ -46,20 +151,46 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     module_name, config_name = SUBCOMMANDS[command]
 
+    from draftsmith import DraftsmithError
+
+    def fail(e: DraftsmithError):
+        print(f"draftsmith {command}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+    try:
+        if "--version" in overrides:
+            print(version())
+            sys.exit(0)
+        if "-h" in overrides or "--help" in overrides:
+            print(option_help(command, config_name))
+            sys.exit(0)
+        # Build and check the config before any work: a bad value, type or key is one sentence, exit 2.
+        from hydra._internal.utils import get_args_parser
+
+        try:
+            args = get_args_parser().parse_args(overrides)
+        except SystemExit:
+            args = None  # Hydra reports its own usage error below
+        if args is not None and not any(getattr(args, flag, None) for flag in HYDRA_OWN):
+            from draftsmith.configs import compose
+
+            compose(config_name, args.overrides, missing_ok=bool(args.cfg))
+    except DraftsmithError as e:
+        fail(e)
+
     import hydra
 
-    from draftsmith import DraftsmithError
-    from draftsmith.configs import register_configs
+    from draftsmith.configs import check_config, register_configs
 
     register_configs(config_name)
     run = importlib.import_module(module_name).run
 
     def task(cfg) -> None:
         try:
+            check_config(config_name, cfg)
             run(cfg)
         except DraftsmithError as e:
-            print(f"draftsmith {command}: error: {e}", file=sys.stderr)
-            sys.exit(2)
+            fail(e)
 
     sys.argv = [f"draftsmith {command}", *overrides]
     hydra.main(config_path="pkg://draftsmith.configs", config_name=config_name, version_base=None)(task)()

@@ -89,3 +89,15 @@ def test_hidden_states_reader(tiny_target, tmp_path):
         torch.testing.assert_close(last.float(), last_ref, rtol=1e-2, atol=1e-2)
     with pytest.raises(IndexError):
         hs[len(SEQS)]
+
+
+def test_capture_redoes_a_corrupt_shard_of_the_right_size(tiny_target, tmp_path):
+    capture_hidden_states(tiny_target, SEQS, tmp_path, samples_per_shard=4)
+    good = shard_bytes(tmp_path)
+    shard = tmp_path / "shard_00000.safetensors"
+    shard.write_bytes(b"\x00" * shard.stat().st_size)  # size as indexed, header unreadable
+    capture_hidden_states(tiny_target, SEQS, tmp_path, samples_per_shard=4)
+    assert shard_bytes(tmp_path) == good
+    (tmp_path / "index.json").write_text("{not json")  # a corrupt index: everything recaptured
+    capture_hidden_states(tiny_target, SEQS, tmp_path, samples_per_shard=4)
+    assert shard_bytes(tmp_path) == good

@@ -100,3 +100,45 @@ def test_self_prompts_give_up_after_max_attempts(tiny_target):
 def test_self_prompts_smollm2_header(smollm2_target):
     header = user_header(smollm2_target.tokenizer)
     assert header.endswith("<|im_start|>user\n") and "SmolLM" in header  # the template's default system turn
+
+
+def test_non_utf8_file_names_file_and_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"turns": ["fine"]}\n{"turns": ["caf\xe9"]}\n')
+    with pytest.raises(DraftsmithError, match=r"latin1\.jsonl line 2 is not UTF-8 text") as e:
+        load_prompts(PromptsConfig(source="question", path=str(path), n=None))
+    assert "\n" not in str(e.value)
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes('{"turns": ["fine"]}\n'.encode("utf-8-sig"))  # a byte-order mark is fine
+    assert load_prompts(PromptsConfig(source="question", path=str(bom), n=None))[0]["messages"][0]["content"] == "fine"
+
+
+@pytest.mark.parametrize("source,record", [
+    ("openai", {"messages": [{"role": "user", "content": None}]}),
+    ("sharegpt", {"conversations": [{"from": "human", "value": None}]}),
+    ("openai", {"messages": [{"role": "user", "content": 3}]}),
+])
+def test_user_turn_without_text_is_refused(tmp_path, source, record):
+    path = write_jsonl(tmp_path / "n.jsonl", [{"messages": [{"role": "user", "content": "ok"}]}
+                                              if source == "openai" else {"conversations": [{"from": "human", "value": "ok"}]},
+                                              record])
+    with pytest.raises(DraftsmithError, match=r"n\.jsonl line 2: message 1 \(user\) has content .*, not text"):
+        load_prompts(PromptsConfig(source=source, path=path, n=None))
+
+
+def test_null_assistant_content_and_text_parts(tmp_path):
+    path = write_jsonl(tmp_path / "o.jsonl", [{"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None}]}])  # (an assistant turn is regenerated anyway)
+    [s] = load_prompts(PromptsConfig(source="openai", path=path, n=None))
+    assert s["messages"] == [{"role": "user", "content": "ab"}, {"role": "assistant", "content": ""}]
+
+
+def test_records_without_user_turn_are_skipped_and_reported(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "s.jsonl", [
+        {"conversations": [{"from": "gpt", "value": "x"}]},
+        {"conversations": [{"from": "human", "value": "q"}]},
+        {"conversations": []},
+    ])
+    assert len(load_prompts(PromptsConfig(source="sharegpt", path=path, n=None))) == 1
+    assert f"prompts: skipped 2 record(s) of {path} without a user turn (lines 1, 3)." in capsys.readouterr().err

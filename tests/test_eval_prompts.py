@@ -107,3 +107,18 @@ def test_render_conditions_on_previous_answers():
     text = tok.decode(render(tok, p, ["my answer"]))
     assert text.index("first") < text.index("my answer") < text.index("second")
     assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_same_record_rules_as_data_gen(tmp_path, capsys):
+    """Records without a user turn: skipped and reported, as data-gen does; null / non-UTF-8: one sentence."""
+    p = write(tmp_path / "s.jsonl", [{"conversations": [{"from": "gpt", "value": "x"}]},
+                                     {"conversations": [{"from": "human", "value": "q"}]}])
+    assert [x.turns for x in read_jsonl(p, "sharegpt")] == [["q"]]
+    assert "skipped 1 record(s) of" in capsys.readouterr().err
+    p = write(tmp_path / "n.jsonl", ['{"messages": [{"role": "user", "content": null}]}'])
+    with pytest.raises(DraftsmithError, match=r"n\.jsonl line 1: message 1 \(user\) has content null"):
+        read_jsonl(p, "openai")
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes(b'{"turns": ["\xe9"]}\n')
+    with pytest.raises(DraftsmithError, match=r"latin1\.jsonl line 1 is not UTF-8 text"):
+        read_jsonl(p, "question")

@@ -192,7 +192,7 @@ def failing_save(*args, **kwargs):
 
 def test_crash_mid_save_leaves_nothing_complete_looking(tiny_target, tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "save_file", failing_save)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(DraftsmithError, match="disk full"):  # one sentence naming the folder
         save_eagle3(random_head(tiny_target), tmp_path / "head", manifest_target=tiny_target.identity())
     assert list(tmp_path.iterdir()) == []  # neither the folder nor a leftover temporary
 
@@ -202,7 +202,7 @@ def test_crash_mid_save_keeps_the_existing_folder(tiny_target, tmp_path, monkeyp
     folder = save_eagle3(old, tmp_path / "head", manifest_target=tiny_target.identity())
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
     monkeypatch.setattr(checkpoint, "save_file", failing_save)
-    with pytest.raises(OSError):
+    with pytest.raises(DraftsmithError, match=f"could not write {folder}"):
         save_eagle3(random_head(tiny_target, seed=1), folder, manifest_target=tiny_target.identity())
     assert [p.name for p in tmp_path.iterdir()] == ["head"]
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before

@@ -79,8 +79,8 @@ def test_default_out_is_beside_the_head(head_folder):
 
 @pytest.mark.parametrize("overrides, words", [
     (["head=/no/such/head"], "/no/such/head does not exist"),
-    ([], "export.head is not set"),
-    (["head={head}", "format=onnx"], "export.format='onnx'"),
+    ([], "head= is required"),  # refused when the config is built
+    (["head={head}", "format=onnx"], "format=onnx is not one of eagle3, speculators"),
     (["head={head}", "out={head}/inside"], "is inside the head folder"),
 ])
 def test_cli_errors_are_one_sentence_and_exit_2(head_folder, tmp_path, capsys, overrides, words):

@@ -70,3 +70,41 @@ def test_every_deepspeed_option_composes(zero):
     if zero != "none":
         ds = deepspeed_config(cfg, world=2)
         assert ds["zero_optimization"]["stage"] == int(zero[-1]) and ds["train_batch_size"] == 12
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("truncate", "has 100 bytes, its index says"),
+    ("empty", "has 0 bytes, its index says"),
+    ("delete", "is missing"),
+    ("garbage", "is not a readable safetensors file"),  # same size, bad header
+])
+def test_damaged_shard_is_named_in_one_sentence(tiny_target, tmp_path, damage, needle):
+    from draftsmith import DraftsmithError
+    from draftsmith.train.data import load_data
+
+    folder = make_tiny_data(tmp_path / "d", tiny_target, hidden_states=True)
+    shard = folder / "hidden_states" / "shard_00001.safetensors"
+    size = shard.stat().st_size
+    if damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:100])
+    elif damage == "empty":
+        shard.write_bytes(b"")
+    elif damage == "delete":
+        shard.unlink()
+    else:
+        shard.write_bytes(b"\xff" * size)
+    with pytest.raises(DraftsmithError) as e:
+        load_data(str(folder), tiny_target.identity(), "offline", 64, 0)
+    msg = str(e.value)
+    assert f"the hidden-state shard {shard} {needle}" in msg and "rerun data-gen" in msg and "\n" not in msg
+
+
+def test_corrupt_hidden_state_index_is_named(tiny_target, tmp_path):
+    from draftsmith import DraftsmithError
+    from draftsmith.train.data import load_data
+
+    folder = make_tiny_data(tmp_path / "d", tiny_target, hidden_states=True)
+    index = folder / "hidden_states" / "index.json"
+    index.write_text(index.read_text()[:40])
+    with pytest.raises(DraftsmithError, match=f"the hidden-state index {index} is corrupted"):
+        load_data(str(folder), tiny_target.identity(), "offline", 64, 0)

@@ -7,19 +7,31 @@
         rng_rank{r}.json        python + numpy RNG of rank r;  rng_rank{r}.safetensors: torch RNG
         optimizer.safetensors + optimizer.json   (deepspeed=none) the torch optimizer state
         deepspeed/              (deepspeed=zero*) DeepSpeed's own save_checkpoint files (model,
-                                partitioned optimizer). They are torch pickles: draftsmith only
-                                loads them from a checkpoint whose train_state.json it wrote and
-                                whose compat fields match this run.
+                                partitioned optimizer) in state/*.pt, plus DeepSpeed's copies of its
+                                zero_to_fp32.py / zero_to_torch.py scripts (never read or run)
 
 A checkpoint is written under `.tmp-step_...` and renamed once every rank has finished, so a
 crash never leaves a half checkpoint that resume could pick up.
+
+What resume trusts: nothing in a checkpoint is executed. Everything draftsmith writes itself is
+safetensors or JSON. DeepSpeed insists on torch pickles, so before DeepSpeed opens any of them,
+`verify_deepspeed_files` loads every file under deepspeed/ with `torch.load(weights_only=True)` and
+an allow-list of exactly the DeepSpeed types its ZeRO state holds (`DEEPSPEED_SAFE_GLOBALS`), and
+DeepSpeed's own load then runs under the same restriction (`restricted_deepspeed_load`). A file
+that needs any other global, is no torch file at all, or a symlink anywhere in the checkpoint, is
+refused with one sentence naming the file. The two DeepSpeed scripts are allowed by name and
+never opened.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import re
 import shutil
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Optional
 
@@ -161,3 +173,82 @@ def publish(out: str | Path, step: int, keep_last: int) -> Path:
     for old in list_checkpoints(out)[:-max(keep_last, 1)]:
         shutil.rmtree(old, ignore_errors=True)
     return dst
+
+
+# ---- DeepSpeed's pickles: proven loadable with weights_only=True before anything unpickles them ---
+
+DEEPSPEED_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # copied in by save_checkpoint; never read
+
+
+def deepspeed_safe_globals() -> list:
+    """The only non-torch types a ZeRO 1/2/3 checkpoint holds (found by saving real ones):
+    the stage enum, the loss scaler object (static; dynamic with fp16) and ZeRO-2's fragment map."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+def _restricted_load(path, map_location="cpu"):
+    """torch.load with weights_only=True and the DeepSpeed allow-list."""
+    mmap = zipfile.is_zipfile(path)  # no need to read the tensors in to check the pickle
+    with torch.serialization.safe_globals(deepspeed_safe_globals()):
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+
+
+def _refusal(path: Path, error: Exception) -> str:
+    msg = str(error)
+    found = re.search(r"GLOBAL (\S+) was not an allowed global", msg) or re.search(r"Unsupported global: GLOBAL (\S+)", msg)
+    if found:
+        why = f"needs the global {found.group(1)}, which is not among the DeepSpeed types resume allows"
+    else:
+        detail = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", msg)
+        first = detail.group(1) if detail else next((ln.strip() for ln in msg.splitlines() if ln.strip()),
+                                                     type(error).__name__)
+        why = f"is not a torch checkpoint that loads with weights_only=True ({first.strip()[:200]})"
+    return f"{path} {why}; resume never unpickles anything else, so this checkpoint is refused."
+
+
+def verify_deepspeed_files(checkpoint: Path) -> None:
+    """Refuse a checkpoint whose DeepSpeed files could run code when unpickled (see the module docstring)."""
+    checkpoint = Path(checkpoint)
+    for p in sorted(checkpoint.rglob("*")):
+        if p.is_symlink():
+            raise DraftsmithError(f"{p} is a symlink; a training checkpoint holds only plain files, so it is refused.")
+    folder = checkpoint / "deepspeed"
+    if not folder.is_dir():
+        raise DraftsmithError(f"{checkpoint} has no deepspeed/ folder, but this run uses DeepSpeed (deepspeed=...).")
+    for p in sorted(folder.rglob("*")):
+        if p.is_dir() or (p.parent == folder and p.name in DEEPSPEED_SCRIPTS):
+            continue
+        if not p.is_file():
+            raise DraftsmithError(f"{p} is not a plain file; resume refuses this checkpoint.")
+        try:
+            with warnings.catch_warnings():  # torch's notes on odd pickle protocols: the refusal says it all
+                warnings.simplefilter("ignore")
+                state = _restricted_load(p)
+        except Exception as e:  # noqa: BLE001 - every failure is a refusal, named
+            raise DraftsmithError(_refusal(p, e)) from None
+        del state
+
+
+@contextlib.contextmanager
+def restricted_deepspeed_load(engine):
+    """DeepSpeed's own checkpoint loads go through weights_only=True with the same allow-list."""
+    ce = getattr(engine, "checkpoint_engine", None)
+    if ce is None:
+        yield
+        return
+
+    def load(path, map_location=None):
+        try:
+            return _restricted_load(path, map_location=map_location)
+        except Exception as e:  # noqa: BLE001
+            raise DraftsmithError(_refusal(Path(path), e)) from None
+
+    ce.load = load  # an instance attribute shadows the class method for this load only
+    try:
+        yield
+    finally:
+        del ce.load

@@ -5,15 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from draftsmith import DraftsmithError, checks
 from draftsmith.data_gen.target import TargetConfig
+
+METHODS = ("eagle3",)
+DEEPSPEED_PRESETS = ("none", "zero1", "zero2", "zero3")
 
 
 @dataclass
 class WandbConfig:
     # auto = "online" when WANDB_API_KEY is set, else "offline"; "disabled" for tests.
     mode: str = "auto"
-    project: str = "draftsmith"
-    name: Optional[str] = None
+    project: str = "draftsmith"  # the wandb project
+    name: Optional[str] = None  # the wandb run name (None = wandb's own)
+
+    def __post_init__(self):
+        checks.one_of("wandb.mode", self.mode, ("auto", "online", "offline", "disabled"))
 
 
 @dataclass
@@ -22,48 +29,81 @@ class DeepSpeedConfig:
     # or none (plain torch; DDP when launched with several processes)
     config: str = "zero2"
 
+    def __post_init__(self):
+        if not str(self.config).endswith(".json"):
+            checks.one_of("deepspeed.config", self.config, DEEPSPEED_PRESETS)
+
 
 @dataclass
 class TrainConfig:
-    method: str = "eagle3"
+    method: str = "eagle3"  # eagle3 (the only method so far)
     target: TargetConfig = field(default_factory=TargetConfig)
     data: str = "???"  # a data-gen output folder
-    out: str = "runs/train"
+    out: str = "runs/train"  # output folder: final/, checkpoints/, metrics.jsonl
+    overwrite: bool = False  # true: write into an out folder that is not an earlier train output
     # auto = offline when the data has hidden_states/, else online (target in the process)
     mode: str = "auto"
-    device: str = "cpu"
-    seed: int = 0
+    device: str = "cpu"  # cpu | cuda (one device per process) | cuda:<index>
+    seed: int = 0  # initialisation and data order
 
     # EAGLE-3
     draft_vocab_size: int = 32000  # capped at the target's vocab
-    ttt_steps: int = 7
-    ttt_decay: float = 0.8
+    ttt_steps: int = 7  # training-time test: unrolled draft steps per position
+    ttt_decay: float = 0.8  # loss weight of TTT step k is ttt_decay**k
 
     # data
-    max_length: int = 2048
+    max_length: int = 2048  # tokens per sample (longer samples are cut)
     micro_batch_size: int = 1  # per process
-    grad_accum: int = 1
+    grad_accum: int = 1  # micro-batches per optimizer step
     mega_batch: int = 64  # length bucketing: sort by length within this many global batches
     val_samples: int = 0  # hold out the last N samples; evaluated at the end
 
     # optimisation
-    epochs: int = 1
+    epochs: int = 1  # passes over the data (when max_steps is None)
     max_steps: Optional[int] = None  # optimizer steps; None = epochs over the data
-    lr: float = 1e-4
-    min_lr_ratio: float = 0.0
-    warmup_ratio: float = 0.02
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 0.5
+    lr: float = 1e-4  # peak learning rate (AdamW)
+    min_lr_ratio: float = 0.0  # cosine decay ends at lr * min_lr_ratio
+    warmup_ratio: float = 0.02  # share of the steps with linear warm-up
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas
+    grad_clip: float = 0.5  # max gradient norm; 0 = off
     precision: str = "fp32"  # fp32 | bf16 (autocast, fp32 master weights) | fp16 (DeepSpeed loss scaling)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # config group: deepspeed=zero1|zero2|zero3|none
 
     # checkpoints and logging
-    save_every: int = 500
-    keep_last: int = 2
+    save_every: int = 500  # optimizer steps between checkpoints
+    keep_last: int = 2  # checkpoints kept under out/checkpoints
     resume: Optional[str] = None  # true = latest checkpoint under out/, or a checkpoint folder
-    log_every: int = 1
-    progress: bool = True
+    log_every: int = 1  # optimizer steps between metrics.jsonl lines
+    progress: bool = True  # show a progress bar
     wandb: WandbConfig = field(default_factory=WandbConfig)
     # tests only: raise after this optimizer step (simulates a crash)
     fail_at_step: Optional[int] = None
+
+    def __post_init__(self):
+        checks.one_of("method", self.method, METHODS)
+        if self.data in (None, ""):
+            raise DraftsmithError("data= is required: a data-gen output folder.")
+        checks.one_of("mode", self.mode, ("auto", "online", "offline"))
+        checks.device("device", self.device)
+        checks.at_least("draft_vocab_size", self.draft_vocab_size, 1)
+        checks.at_least("ttt_steps", self.ttt_steps, 1)
+        checks.positive("ttt_decay", self.ttt_decay)
+        for name in ("max_length", "micro_batch_size", "grad_accum", "mega_batch", "epochs", "save_every",
+                     "keep_last", "log_every"):
+            checks.at_least(name, getattr(self, name), 1)
+        checks.at_least("val_samples", self.val_samples, 0)
+        checks.at_least("max_steps", self.max_steps, 1, null="epochs over the data")
+        checks.positive("lr", self.lr)
+        checks.in_range("min_lr_ratio", self.min_lr_ratio, 0, 1)
+        checks.in_range("warmup_ratio", self.warmup_ratio, 0, 1, high_open=True)
+        checks.at_least("weight_decay", self.weight_decay, 0)
+        if len(self.betas) != 2:
+            raise DraftsmithError(f"betas={list(self.betas)} must be two numbers in [0, 1).")
+        for beta in self.betas:
+            checks.in_range("betas entry", beta, 0, 1, high_open=True)
+        checks.at_least("grad_clip", self.grad_clip, 0)
+        checks.one_of("precision", self.precision, ("fp32", "bf16", "fp16"))
+        if self.precision == "fp16" and self.deepspeed.config == "none":
+            raise DraftsmithError("precision=fp16 needs DeepSpeed's loss scaling; use deepspeed=zero1/2/3 or precision=bf16.")
+        checks.at_least("fail_at_step", self.fail_at_step, 1, null="never")

@@ -58,7 +58,7 @@ def load_data(data_dir: str, target_identity: dict, mode: str, max_length: int, 
             raise DraftsmithError(f"the hidden states in {data_dir} were captured at layers "
                                   f"{manifest['hidden_states'].get('aux_layer_ids')}, the target uses "
                                   f"{target_identity['aux_layer_ids']} (target.aux_layer_ids).")
-        hidden = HiddenStates(data_dir)
+        hidden = open_hidden_states(data_dir, len(ds))
     ids = [list(x)[:max_length] for x in ds["input_ids"]]
     masks = [list(x)[:max_length] for x in ds["loss_mask"]]
     keep = [i for i in range(len(ids)) if len(ids[i]) >= 2 and sum(masks[i]) > 0]
@@ -70,6 +70,32 @@ def load_data(data_dir: str, target_identity: dict, mode: str, max_length: int, 
     train = TrainData(ids, masks, hidden, manifest, keep[:split])
     val = TrainData(ids, masks, hidden, manifest, keep[split:]) if val_samples else None
     return train, val, mode
+
+
+def open_hidden_states(data_dir: str, num_rows: int) -> HiddenStates:
+    """The data folder's hidden-state shards, checked before training: a missing, empty, truncated or
+    corrupted shard (or index) is refused with one sentence naming the file, not met mid-run."""
+    from draftsmith.data_gen.capture import shard_problem
+
+    redo = "rerun data-gen with the same settings on that folder to recapture it"
+    index = Path(data_dir) / "hidden_states" / "index.json"
+    try:
+        hidden = HiddenStates(data_dir)
+        shards, per_shard, num = hidden.shards, int(hidden.per_shard), len(hidden)
+        covered = sorted((int(e["first"]), int(e["count"])) for e in shards)
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+        raise DraftsmithError(f"the hidden-state index {index} is corrupted; {redo}.") from None
+    if num != num_rows:
+        raise DraftsmithError(f"{index} lists {num} samples but the tokenized set in {data_dir} has {num_rows}; {redo}.")
+    expected = [(f, min(per_shard, num - f)) for f in range(0, num, per_shard)]
+    if covered != expected:
+        raise DraftsmithError(f"{index} does not list a shard for every sample (shards of {per_shard} samples "
+                              f"for {num}); {redo}.")
+    for entry in shards:
+        problem = shard_problem(hidden.folder / entry["file"], entry)
+        if problem:
+            raise DraftsmithError(f"the hidden-state shard {hidden.folder / entry['file']} {problem}; {redo}.")
+    return hidden
 
 
 def batch_order(lengths: list[int], global_batch: int, mega_batch: int, seed: int, epoch: int) -> list[list[int]]:

@@ -19,7 +19,7 @@ import torch
 from omegaconf import OmegaConf
 
 from draftsmith import DraftsmithError
-from draftsmith.data_gen.manifest import atomic_write_bytes, atomic_write_json
+from draftsmith.data_gen.manifest import atomic_write_bytes, atomic_write_json, claim_output, prepare_output
 from draftsmith.data_gen.target import load_target
 from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
 from draftsmith.heads.vocab import build_vocab_map, count_tokens
@@ -33,20 +33,10 @@ METHODS = ("eagle3",)
 
 
 def validate(cfg) -> None:
-    """Refuse bad option values with one sentence naming the option."""
-    if cfg.method not in METHODS:
-        raise DraftsmithError(f"method={cfg.method!r} is not one of {', '.join(METHODS)}.")
-    if cfg.data in (None, "???", ""):
-        raise DraftsmithError("data= is required: a data-gen output folder.")
-    if cfg.precision not in ("fp32", "bf16", "fp16"):
-        raise DraftsmithError(f"precision={cfg.precision!r} must be fp32, bf16 or fp16.")
-    if cfg.precision == "fp16" and cfg.deepspeed.config == "none":
-        raise DraftsmithError("precision=fp16 needs DeepSpeed's loss scaling; use deepspeed=zero1/2/3 or precision=bf16.")
-    if cfg.ttt_steps < 1:
-        raise DraftsmithError(f"ttt_steps={cfg.ttt_steps} must be at least 1.")
-    for name in ("micro_batch_size", "grad_accum", "save_every", "keep_last"):
-        if getattr(cfg, name) < 1:
-            raise DraftsmithError(f"{name}={getattr(cfg, name)} must be at least 1.")
+    """Refuse bad option values with one sentence naming the option (the checks live in TrainConfig)."""
+    from draftsmith.configs import check_config
+
+    check_config("train", cfg)
 
 
 def compat_fields(cfg, identity: dict, draft_vocab: int, world: int, n_train: int, total_steps: int) -> dict:
@@ -91,7 +81,10 @@ def run(cfg) -> dict:
     if not OmegaConf.is_config(cfg):
         cfg = OmegaConf.structured(cfg)
     validate(cfg)
-    out = Path(cfg.out)
+    resume_path = None if str(cfg.resume).lower() in ("none", "false", "no", "0", "", "true", "yes", "1", "latest") \
+        else cfg.resume  # resume=<a checkpoint or run folder> is read too
+    out = prepare_output(cfg.out, "train", [("data", cfg.data), ("resume", resume_path), ("target", cfg.target.name)],
+                         overwrite=bool(getattr(cfg, "overwrite", False)))
     rank, world = init_distributed(cfg)
     if cfg.device == "cuda":  # one device per process
         import os
@@ -153,7 +146,10 @@ def run(cfg) -> dict:
 
     config_dict = OmegaConf.to_container(cfg, resolve=True)
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
+        claim_output(out, "train")  # creates out/, marked as train's own output
+        if resume is None:  # a fresh run (perhaps in its own earlier output): a new log
+            (out / "metrics.jsonl").unlink(missing_ok=True)
+            (out / "val_metrics.json").unlink(missing_ok=True)
         atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
         if resume is not None and (out / "metrics.jsonl").is_file():  # drop records past the checkpoint
             import json

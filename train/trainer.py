@@ -15,6 +15,7 @@ import json
 import math
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,12 +183,17 @@ def save_checkpoint(w: Wrapped, out: Path, step: int, state: dict, rank: int, wo
 
 
 def load_checkpoint(w: Wrapped, path: Path, rank: int) -> None:
-    """Restore weights, optimizer, scheduler and this rank's RNG from a checkpoint this code wrote."""
+    """Restore weights, optimizer, scheduler and this rank's RNG from a checkpoint.
+
+    DeepSpeed's pickles are first proven loadable with weights_only=True (checkpoint.py), and
+    DeepSpeed's own load runs under the same restriction: nothing in a checkpoint is executed."""
     from safetensors.torch import load_file
 
     if w.engine is not None:
-        w.engine.load_checkpoint(str(path / "deepspeed"), tag="state", load_optimizer_states=True,
-                                 load_lr_scheduler_states=True)
+        ckpt.verify_deepspeed_files(path)
+        with ckpt.restricted_deepspeed_load(w.engine):
+            w.engine.load_checkpoint(str(path / "deepspeed"), tag="state", load_optimizer_states=True,
+                                     load_lr_scheduler_states=True)
     else:
         w.module.head.load_state_dict(load_file(str(path / "head.safetensors")), strict=True)
         ckpt.load_optimizer(w.optimizer, path)
@@ -195,25 +201,44 @@ def load_checkpoint(w: Wrapped, path: Path, rank: int) -> None:
     ckpt.read_rng(path, rank)
 
 
+def wandb_mode(mode: str) -> str:
+    """auto = the environment's WANDB_MODE when set, else online with WANDB_API_KEY, else offline."""
+    if mode != "auto":
+        return mode
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
 class Logger:
-    """metrics.jsonl + wandb + a tqdm bar, on rank 0 only."""
+    """metrics.jsonl + wandb + a progress bar (draftsmith.progress), on rank 0 only.
+
+    A fresh run (start == 0) starts metrics.jsonl clean; a resumed one appends (run.py has already
+    dropped the records past the checkpoint). If wandb cannot start (no network, bad key), one
+    warning line goes to stderr and training continues with metrics.jsonl only."""
 
     def __init__(self, cfg, out: Path, rank: int, total: int, start: int, config_dict: dict):
         self.rank, self.path, self.bar, self.run = rank, out / "metrics.jsonl", None, None
         if rank != 0:
             return
+        if start == 0:
+            self.path.write_text("")  # a killed earlier attempt must not leave its records in front of ours
         if cfg.progress:
-            from tqdm import tqdm
+            from draftsmith.progress import progress
 
-            self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
-        mode = cfg.wandb.mode
-        if mode == "auto":
-            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            self.bar = progress(total=total, initial=start, desc="train", unit="step")
+        mode = wandb_mode(cfg.wandb.mode)
         if mode != "disabled":
-            import wandb
+            try:
+                import wandb
 
-            self.run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name, mode=mode, dir=str(out),
-                                  config=config_dict, resume="allow")
+                self.run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name, mode=mode, dir=str(out),
+                                      config=config_dict, resume="allow")
+            except Exception as e:  # noqa: BLE001 - deliberate, loudly reported fallback
+                first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+                print(f"draftsmith train: warning: wandb (mode={mode}) did not start ({type(e).__name__}: {first[:200]}); "
+                      f"training continues without wandb, metrics go to {self.path} only.", file=sys.stderr, flush=True)
+                self.run = None
 
     def log(self, record: dict) -> None:
         if self.rank != 0:
@@ -223,8 +248,8 @@ class Logger:
         if self.run is not None:
             self.run.log(record, step=record["step"])
         if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record.get('acc_0', 0):.3f}")
+            self.bar.set_postfix_str(f"loss={record['loss']:.3f}, acc0={record.get('acc_0', 0):.3f}")
+            self.bar.update(record["step"] - self.bar.n)  # log_every may skip steps
 
     def close(self) -> None:
         if self.bar is not None:
