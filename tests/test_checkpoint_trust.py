@@ -111,3 +111,15 @@ def test_deepspeed_own_load_is_weights_only_too(trained, tmp_path, monkeypatch):
     with pytest.raises(DraftsmithError, match="needs the global exec,"):
         run(_cfg(data, out, resume="true"))
     assert not marker.exists()
+
+
+def test_fp16_dynamic_loss_scaler_is_allowed(tmp_path):
+    """precision=fp16 (GPU only) saves a DynamicLossScaler in the ZeRO optimizer state: it must pass too."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    scaler = DynamicLossScaler(init_scale=2.0 ** 16, scale_window=1000, min_scale=1, delayed_shift=2,
+                               consecutive_hysteresis=False, dtype=torch.float16)
+    torch.save({"loss_scaler": scaler, "zero_stage": ZeroStageEnum.gradients}, tmp_path / "optim.pt")
+    back = ckpt._restricted_load(tmp_path / "optim.pt")
+    assert back["loss_scaler"].__dict__ == scaler.__dict__ and back["zero_stage"] is ZeroStageEnum.gradients
