@@ -97,12 +97,13 @@ def load_drafter(cfg, target: Target, max_len: int) -> Drafter:
                               f"(format=vllm export or the training checkpoint) instead.")
     check_head_target(folder, config, target)
     if arch in EAGLE3_ARCHITECTURES:
-        from draftsmith.heads.checkpoint import load_eagle3
+        from draftsmith.heads.checkpoint import load_eagle3, weights_sha256
 
         model = load_eagle3(folder, device=target.device, dtype=target.dtype,
                             target_embeddings=target.model.get_input_embeddings()).eval()
         return Drafter("eagle3", lambda: make_proposer("eagle3", target, head=model, max_len=max_len),
-                       {"kind": "eagle3", "path": str(folder), "draft_vocab_size": model.config.draft_vocab_size})
+                       {"kind": "eagle3", "path": str(folder), "draft_vocab_size": model.config.draft_vocab_size,
+                        "sha256": weights_sha256(folder)})  # publish matches the head it publishes by this
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()

@@ -290,3 +290,14 @@ def load_eagle3(folder: str | os.PathLike, device="cpu", dtype: Optional[torch.d
     keep_rope_fp32(head, inv_freq)
     head.embed_tokens.weight.requires_grad_(False)
     return head
+
+
+def weights_sha256(folder: str | os.PathLike) -> str:
+    """SHA-256 of the folder's model.safetensors bytes: what eval reports and publish matches a head by."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(Path(folder) / WEIGHTS, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

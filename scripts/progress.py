@@ -48,6 +48,7 @@ class PlainProgress:
         self.postfix = ""
         self.t0 = self.last = time.monotonic()
         self.closed = False
+        self.shown_n = None  # n of the last line printed
 
     def line(self) -> str:
         elapsed = max(time.monotonic() - self.t0, 1e-9)
@@ -61,7 +62,7 @@ class PlainProgress:
 
     def _emit(self) -> None:
         print(self.line(), file=self.file, flush=True)
-        self.last = time.monotonic()
+        self.last, self.shown_n = time.monotonic(), self.n
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -74,7 +75,8 @@ class PlainProgress:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._emit()
+            if self.shown_n != self.n:  # the final count, unless the last line already showed it
+                self._emit()
 
     def __iter__(self):
         for item in self.iterable:

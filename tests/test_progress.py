@@ -34,3 +34,11 @@ def test_iterates_and_disabled_prints_nothing(capsys, monkeypatch):
     assert "eval: 3/3 (100%)" in capsys.readouterr().err
     assert list(progress(range(3), desc="eval", enabled=False)) == [0, 1, 2]
     assert capsys.readouterr().err == ""
+
+
+def test_close_does_not_repeat_the_last_line():
+    buf = io.StringIO()
+    bar = PlainProgress(total=2, desc="capture", interval=0, file=buf)
+    bar.update(2)
+    bar.close()
+    assert len(buf.getvalue().splitlines()) == 1

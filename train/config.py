@@ -14,7 +14,8 @@ DEEPSPEED_PRESETS = ("none", "zero1", "zero2", "zero3")
 
 @dataclass
 class WandbConfig:
-    # auto = "online" when WANDB_API_KEY is set, else "offline"; "disabled" for tests.
+    # auto = WANDB_MODE if set, else "online" with WANDB_API_KEY, else "offline"; "disabled" for tests.
+    # A wandb that fails to start is reported in one warning line; training goes on without it.
     mode: str = "auto"
     project: str = "draftsmith"  # the wandb project
     name: Optional[str] = None  # the wandb run name (None = wandb's own)
