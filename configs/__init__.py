@@ -19,6 +19,7 @@ SCHEMAS = {
     "train": "draftsmith.train.config:TrainConfig",
     "eval": "draftsmith.eval.config:EvalConfig",
     "export": "draftsmith.heads.export:ExportConfig",
+    "publish": "draftsmith.heads.publish:PublishConfig",
     "demo": "draftsmith.eval.demo:DemoConfig",
 }
 
@@ -29,7 +30,20 @@ def schema(config_name: str):
 
 
 def register_configs(config_name: str) -> None:
-    ConfigStore.instance().store(name=f"{config_name}_schema", node=schema(config_name))
+    """Store the stage's schema, and every trainable method's options as `method/<name>_schema`."""
+    from omegaconf import MISSING, OmegaConf
+
+    from draftsmith.methods import methods
+
+    store = ConfigStore.instance()
+    cls = schema(config_name)
+    node = OmegaConf.structured(cls)
+    for name in getattr(cls, "CHOSEN_BY_GROUP", ()):
+        node[name] = MISSING  # typed by the group option the YAML picks (method=eagle3 -> Eagle3Config)
+    store.store(name=f"{config_name}_schema", node=node)
+    for name, entry in methods().items():
+        if entry.config is not None:
+            store.store(group="method", name=f"{name}_schema", node=entry.config)
 
 
 def compose(config_name: str, overrides: list[str] | None = None, *, missing_ok: bool = True):
@@ -59,6 +73,7 @@ def command_name(config_name: str) -> str:
 REQUIRED_HINTS = {
     "data": "a data-gen output folder",
     "head": "the folder written by draftsmith train",
+    "repo_id": "the Hub repo as <owner>/<name>",
 }
 
 
@@ -199,7 +214,7 @@ def composition_error(config_name: str, e: Exception):
         missing_file = getattr(x, "missing_cfg_file", None)
         if missing_file:
             group, _, option = str(missing_file).rpartition("/")
-            options = getattr(x, "options", None)
+            options = [o for o in getattr(x, "options", None) or [] if not o.endswith("_schema")]  # not the typing nodes
             if group and options:
                 return DraftsmithError(f"{group}={option} is not an option of {command_name(config_name)}; "
                                        f"choose from {', '.join(options)}.")

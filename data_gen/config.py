@@ -100,3 +100,4 @@ class DataGenConfig:
         checks.one_of("hidden_states_dtype", self.hidden_states_dtype, DTYPES)
         checks.at_least("samples_per_shard", self.samples_per_shard, 1)
         checks.at_least("capture_batch_size", self.capture_batch_size, 1)
+        checks.at_least("regenerate_chunk", self.regenerate_chunk, 1)

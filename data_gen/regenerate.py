@@ -9,6 +9,8 @@ Backends (looked up in BACKENDS):
           the HF KV cache; finished rows leave the batch (and its cache) as they end.
   openai  any OpenAI-compatible server (`vllm serve`, SGLang): POST /v1/chat/completions with
           bounded concurrency.
+A backend's `chat(conversations, seeds, done=None)` returns one answer per conversation (None:
+failed) and calls `done(j)` as answer j is ready, for progress.
 
 Sampling is reproducible per sample: each conversation turn draws from its own generator,
 seeded from (seed, sample id, turn), so the same sample gets the same answer whatever batch

@@ -111,7 +111,7 @@ def stage_overrides(cfg, s: dict, out: Path) -> dict[str, list[str]]:
         "train": ["method=eagle3", target, f"data={out / 'data'}", f"out={out / 'head'}", "mode=online",
                   "deepspeed=none",  # one process on CPU: plain torch
                   f"max_steps={s['train_steps']}", f"lr={s['lr']}", "warmup_ratio=0.05",
-                  f"draft_vocab_size={s['draft_vocab_size']}", f"max_length={s['max_length']}",
+                  f"method.draft_vocab_size={s['draft_vocab_size']}", f"max_length={s['max_length']}",
                   f"val_samples={s['eval_prompts']}", f"precision={s['train_precision']}", f"seed={cfg.seed}",
                   "wandb.mode=disabled", f"progress={str(cfg.progress).lower()}", "save_every=100000"],
         "eval": [target, f"head={out / 'head' / 'final'}", "prompts.source=holdout", f"prompts.path={out / 'data'}",

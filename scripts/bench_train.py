@@ -23,10 +23,10 @@ def bench(target, mode: str, precision: str, seq: int, ttt: int, vocab: int, ste
     from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
     from draftsmith.heads.vocab import build_vocab_map
     from draftsmith.train.config import TrainConfig
-    from draftsmith.train.eagle3 import Eagle3Step, TargetHead
+    from draftsmith.train.eagle3 import Eagle3Config, Eagle3Step, TargetHead
     from draftsmith.train.trainer import autocast, wrap_for_training
 
-    cfg = OmegaConf.structured(TrainConfig(data="-", precision=precision, ttt_steps=ttt))
+    cfg = OmegaConf.structured(TrainConfig(data="-", precision=precision, method=Eagle3Config(ttt_steps=ttt)))
     cfg.deepspeed.config = "none"
     torch.manual_seed(0)
     vocab = min(vocab, target.vocab_size)

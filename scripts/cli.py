@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "train": ("draftsmith.train.run", "train"),
     "eval": ("draftsmith.eval.run", "eval"),
     "export": ("draftsmith.heads.export", "export"),
+    "publish": ("draftsmith.heads.publish", "publish"),
     "demo": ("draftsmith.eval.demo", "demo"),
 }
 
@@ -35,6 +36,7 @@ commands:
   train      train a drafter (method=eagle3) on a data-gen output
   eval       measure acceptance length and real speedup with the built-in lossless decoder
   export     write a trained head in the vLLM / SGLang or speculators format
+  publish    push a head to the Hugging Face Hub with a model card measured by eval
   demo       data-gen + EAGLE-3 training + eval on the embedded SmolLM2, on CPU
 """
 

@@ -2,7 +2,8 @@
 
 A cluster job's log is not a terminal, and tqdm either stays silent there (`disable=None`) or
 fills it with carriage returns. So when stderr is not a terminal, `progress` prints one line
-every `DRAFTSMITH_PROGRESS_INTERVAL` seconds (default 30) and one at the end:
+every `DRAFTSMITH_PROGRESS_INTERVAL` seconds (default 30) and one at the end; a timer prints it
+even while one long item (a 3000-token answer) is still running:
 
     regenerate: 120/480 (25%), 3.1 prompt/s, ETA 1m56s
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from typing import Iterable, Optional
 
@@ -49,6 +51,15 @@ class PlainProgress:
         self.t0 = self.last = time.monotonic()
         self.closed = False
         self.shown_n = None  # n of the last line printed
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        if self.interval > 0:  # steady lines even when no update comes for a while
+            threading.Thread(target=self._tick, daemon=True).start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.interval / 2):
+            if time.monotonic() - self.last >= self.interval:
+                self._emit()
 
     def line(self) -> str:
         elapsed = max(time.monotonic() - self.t0, 1e-9)
@@ -61,8 +72,9 @@ class PlainProgress:
         return f"{self.desc}: {done}, {rate:.3g} {self.unit}/s, elapsed {_duration(elapsed)}{eta}{post}"
 
     def _emit(self) -> None:
-        print(self.line(), file=self.file, flush=True)
-        self.last, self.shown_n = time.monotonic(), self.n
+        with self._lock:
+            print(self.line(), file=self.file, flush=True)
+            self.last, self.shown_n = time.monotonic(), self.n
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -75,6 +87,7 @@ class PlainProgress:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self._stop.set()
             if self.shown_n != self.n:  # the final count, unless the last line already showed it
                 self._emit()
 

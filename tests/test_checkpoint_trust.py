@@ -15,6 +15,7 @@ from draftsmith import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.train import checkpoint as ckpt
 from draftsmith.train.config import DeepSpeedConfig, TrainConfig
+from draftsmith.train.eagle3 import Eagle3Config
 from draftsmith.train.run import run
 from test_train_data import make_tiny_data
 
@@ -24,7 +25,7 @@ OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 
 def _cfg(data, out, **kw):
     cfg = OmegaConf.structured(TrainConfig(
-        data=str(data), out=str(out), target=TargetConfig(name="tiny"), draft_vocab_size=64, ttt_steps=2,
+        data=str(data), out=str(out), target=TargetConfig(name="tiny"), method=Eagle3Config(draft_vocab_size=64, ttt_steps=2),
         micro_batch_size=2, max_steps=3, save_every=2, progress=False, deepspeed=DeepSpeedConfig("zero2"), **kw))
     cfg.wandb.mode = "disabled"
     return cfg

@@ -81,6 +81,6 @@ def test_hydra_cfg_flag_still_prints_the_config(capsys):
     capsys.readouterr()
     main(["train", "target=tiny", "--cfg", "job"])  # data= may stay unset when only printing
     out = capsys.readouterr().out
-    assert "method: eagle3" in out and "name: tiny" in out
+    assert "method:\n  name: eagle3\n  draft_vocab_size: 32000" in out and "name: tiny" in out
     code, _, err = _exit(capsys, "train", "lr=abc", "--cfg", "job")
     assert code == 2 and "lr=abc" in err

@@ -17,7 +17,7 @@ from test_heads_checkpoint import random_head
 from test_train_data import make_tiny_data
 
 TRAIN = ["method=eagle3", "target=tiny", "wandb.mode=disabled", "progress=false", "deepspeed=none",
-         "draft_vocab_size=64", "ttt_steps=2", "micro_batch_size=2"]
+         "method.draft_vocab_size=64", "method.ttt_steps=2", "micro_batch_size=2"]
 
 
 def snapshot(folder) -> dict:

@@ -42,3 +42,14 @@ def test_close_does_not_repeat_the_last_line():
     bar.update(2)
     bar.close()
     assert len(buf.getvalue().splitlines()) == 1
+
+
+def test_timer_prints_while_no_update_comes():
+    import time
+
+    buf = io.StringIO()
+    bar = PlainProgress(total=3, desc="regenerate", unit="prompt", interval=0.1, file=buf)
+    time.sleep(0.45)  # one long item: no update at all
+    bar.close()
+    lines = buf.getvalue().splitlines()
+    assert len(lines) >= 2 and all(ln.startswith("regenerate: 0/3 (0%)") for ln in lines)

@@ -12,7 +12,7 @@ from draftsmith.data_gen.target import TargetConfig, load_target
 from test_train_data import make_tiny_data
 
 BASE = ["method=eagle3", "target=tiny", "wandb.mode=disabled", "progress=false", "deepspeed=none",
-        "draft_vocab_size=64", "ttt_steps=2", "micro_batch_size=2"]
+        "method.draft_vocab_size=64", "method.ttt_steps=2", "micro_batch_size=2"]
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +76,8 @@ def test_resume_other_method_or_config(tmp_path, target, capsys):
     state_file.write_text(json.dumps(state))
     before[state_file] = state_file.stat().st_mtime_ns
 
-    msg = _train(capsys, f"data={data}", f"out={out}", "max_steps=2", "resume=true", "draft_vocab_size=32")
-    assert "draft_vocab_size=64" in msg
+    msg = _train(capsys, f"data={data}", f"out={out}", "max_steps=2", "resume=true", "method.draft_vocab_size=32")
+    assert "method.draft_vocab_size=64" in msg
     msg = _train(capsys, f"data={data}", f"out={out}", "max_steps=2")  # no resume: refuses to overwrite
     assert "resume=true" in msg
     after = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}

@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.train.config import DeepSpeedConfig, TrainConfig
+from draftsmith.train.eagle3 import Eagle3Config
 from draftsmith.train.run import run
 from draftsmith.train.trainer import Logger
 from test_train_data import make_tiny_data
@@ -21,7 +22,7 @@ def tiny_data(tmp_path_factory):
 
 def _cfg(data, out, **kw):
     cfg = OmegaConf.structured(TrainConfig(
-        data=str(data), out=str(out), target=TargetConfig(name="tiny"), draft_vocab_size=64, ttt_steps=2,
+        data=str(data), out=str(out), target=TargetConfig(name="tiny"), method=Eagle3Config(draft_vocab_size=64, ttt_steps=2),
         micro_batch_size=2, max_steps=3, save_every=100, deepspeed=DeepSpeedConfig("none"), **{"progress": False, **kw}))
     cfg.wandb.mode = "disabled"
     return cfg

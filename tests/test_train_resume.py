@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.train.config import DeepSpeedConfig, TrainConfig
+from draftsmith.train.eagle3 import Eagle3Config
 from draftsmith.train.run import run
 from test_train_data import make_tiny_data
 
@@ -21,7 +22,7 @@ def tiny_data(tmp_path_factory):
 
 def _cfg(data, out, deepspeed="zero2", **kw):
     cfg = OmegaConf.structured(TrainConfig(
-        data=str(data), out=str(out), target=TargetConfig(name="tiny"), draft_vocab_size=128, ttt_steps=3,
+        data=str(data), out=str(out), target=TargetConfig(name="tiny"), method=Eagle3Config(draft_vocab_size=128, ttt_steps=3),
         micro_batch_size=2, grad_accum=2, epochs=2, save_every=2, keep_last=5, lr=3e-3, warmup_ratio=0.2,
         progress=False, deepspeed=DeepSpeedConfig(deepspeed), **kw))
     cfg.wandb.mode = "disabled"

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, ClassVar, Optional
 
 from draftsmith import DraftsmithError, checks
 from draftsmith.data_gen.target import TargetConfig
-
-METHODS = ("eagle3",)
+from draftsmith.train.eagle3 import Eagle3Config
 DEEPSPEED_PRESETS = ("none", "zero1", "zero2", "zero3")
 
 
@@ -37,7 +36,10 @@ class DeepSpeedConfig:
 
 @dataclass
 class TrainConfig:
-    method: str = "eagle3"  # eagle3 (the only method so far)
+    # The drafting method and its options: method=eagle3 picks configs/method/eagle3.yaml, typed by
+    # the method's dataclass in draftsmith.methods (method.draft_vocab_size=8192, ...).
+    method: Any = field(default_factory=Eagle3Config)
+    CHOSEN_BY_GROUP: ClassVar[tuple[str, ...]] = ("method",)
     target: TargetConfig = field(default_factory=TargetConfig)
     data: str = "???"  # a data-gen output folder
     out: str = "runs/train"  # output folder: final/, checkpoints/, metrics.jsonl
@@ -46,11 +48,6 @@ class TrainConfig:
     mode: str = "auto"
     device: str = "cpu"  # cpu | cuda (one device per process) | cuda:<index>
     seed: int = 0  # initialisation and data order
-
-    # EAGLE-3
-    draft_vocab_size: int = 32000  # capped at the target's vocab
-    ttt_steps: int = 7  # training-time test: unrolled draft steps per position
-    ttt_decay: float = 0.8  # loss weight of TTT step k is ttt_decay**k
 
     # data
     max_length: int = 2048  # tokens per sample (longer samples are cut)
@@ -82,14 +79,13 @@ class TrainConfig:
     fail_at_step: Optional[int] = None
 
     def __post_init__(self):
-        checks.one_of("method", self.method, METHODS)
+        from draftsmith.methods import method_for_config
+
+        method_for_config(self.method)  # a trainable method's options (they checked themselves)
         if self.data in (None, ""):
             raise DraftsmithError("data= is required: a data-gen output folder.")
         checks.one_of("mode", self.mode, ("auto", "online", "offline"))
         checks.device("device", self.device)
-        checks.at_least("draft_vocab_size", self.draft_vocab_size, 1)
-        checks.at_least("ttt_steps", self.ttt_steps, 1)
-        checks.positive("ttt_decay", self.ttt_decay)
         for name in ("max_length", "micro_batch_size", "grad_accum", "mega_batch", "epochs", "save_every",
                      "keep_last", "log_every"):
             checks.at_least(name, getattr(self, name), 1)

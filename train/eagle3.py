@@ -24,12 +24,33 @@ whose target argmax lies outside the draft vocab (which the draft cannot get rig
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.heads.eagle3 import ConcatKVCache, Eagle3Head, ttt_mask
+from draftsmith import checks
+from draftsmith.heads.eagle3 import ConcatKVCache, Eagle3Head, eagle3_config_from_target, ttt_mask
+
+
+@dataclass
+class Eagle3Config:
+    """`method=eagle3`: the options of EAGLE-3 training (configs/method/eagle3.yaml).
+
+    The feature layers are the target's (`target.aux_layer_ids`): data-gen captures them too."""
+
+    name: str = "eagle3"  # the method (set by method=eagle3)
+    draft_vocab_size: int = 32000  # the most frequent assistant tokens; capped at the target's vocab
+    ttt_steps: int = 7  # training-time test: unrolled draft steps per position
+    ttt_decay: float = 0.8  # loss weight of TTT step k is ttt_decay**k
+
+    def __post_init__(self):
+        checks.one_of("method.name", self.name, ("eagle3",))
+        checks.at_least("method.draft_vocab_size", self.draft_vocab_size, 1)
+        checks.at_least("method.ttt_steps", self.ttt_steps, 1)
+        checks.positive("method.ttt_decay", self.ttt_decay)
 
 # Columns of the per-step statistics tensor `Eagle3Step.forward` returns, summed over positions.
 STATS = ("loss_sum", "loss_count", "correct", "alpha_sum", "metric_count")
@@ -129,18 +150,18 @@ def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, attention_mask: torch
 
 
 class Eagle3Step(nn.Module):
-    """The trainable module the trainer wraps: the head plus its loss (the target stays outside).
+    """The trainable module the trainer wraps: the drafter plus its loss (the target stays outside).
 
     forward(batch) -> (loss, stats); batch holds input_ids, attention_mask, loss_mask, aux and the
-    TargetSide computed by `TargetHead` beforehand.
+    TargetSide computed by `TargetHead` beforehand. `drafter` is what checkpoints and final/ hold.
     """
 
-    def __init__(self, head: Eagle3Head, steps: int, decay: float):
+    def __init__(self, drafter: Eagle3Head, steps: int, decay: float):
         super().__init__()
-        self.head, self.steps, self.decay = head, steps, decay
+        self.drafter, self.steps, self.decay = drafter, steps, decay
 
     def forward(self, input_ids, attention_mask, loss_mask, aux, target: TargetSide):
-        return eagle3_loss(self.head, input_ids, attention_mask, loss_mask, aux, target, self.steps, self.decay)
+        return eagle3_loss(self.drafter, input_ids, attention_mask, loss_mask, aux, target, self.steps, self.decay)
 
 
 def summarize(stats: torch.Tensor) -> dict:
@@ -153,3 +174,45 @@ def summarize(stats: torch.Tensor) -> dict:
         out[f"acc_{i}"] = correct / max(metric_count, 1)
         out[f"alpha_{i}"] = alpha_sum / max(metric_count, 1)
     return out
+
+
+# ---- the method table's entry points (draftsmith.methods) ----------------------------------------
+
+def new_eagle3(target, cfg: Eagle3Config, train, resume: Optional[Path]) -> Eagle3Head:
+    """A head for `target`: the vocab map from the training rows' assistant tokens (or, on resume,
+    from the checkpoint: never rebuilt), embeddings and lm_head rows copied from the target."""
+    from draftsmith.heads.vocab import build_vocab_map, count_tokens
+
+    draft_vocab = min(cfg.draft_vocab_size, target.vocab_size)
+    if resume is not None:
+        from safetensors.torch import load_file
+
+        saved = load_file(str(resume / "head.safetensors"))
+        d2t, t2d = saved["d2t"], saved["t2d"]
+    else:
+        rows = train.indices
+        counts = count_tokens((train.input_ids[i] for i in rows), (train.loss_mask[i] for i in rows), target.vocab_size)
+        d2t, t2d = build_vocab_map(counts, draft_vocab)
+    head = Eagle3Head(eagle3_config_from_target(target.model.config, draft_vocab))
+    head.init_from_target(target.model, d2t, t2d)
+    return head
+
+
+def eagle3_training(head: Eagle3Head, target, cfg: Eagle3Config, mode: str,
+                    autocast: Callable) -> tuple[Eagle3Step, Callable[[dict], dict]]:
+    """(the module to train, `prepare(batch)`): prepare adds the target side under no_grad:
+    features (online: the target runs; offline: the batch carries them) and its distributions."""
+    target_head = TargetHead(target.model.get_output_embeddings().weight, head.t2d)
+    features = target.features if mode == "online" else None  # offline keeps only target_head
+
+    def prepare(batch: dict) -> dict:
+        with torch.no_grad():
+            if features is not None:
+                with autocast():
+                    aux, last = features(batch["input_ids"], batch["attention_mask"])
+            else:
+                aux, last = batch.pop("aux"), batch.pop("last")
+            batch.pop("last", None)
+            return {**batch, "aux": aux, "target": target_head(last)}
+
+    return Eagle3Step(head, cfg.ttt_steps, cfg.ttt_decay), prepare

@@ -1,7 +1,10 @@
-"""`draftsmith train`: a data-gen folder -> a trained EAGLE-3 head in out/final (+ checkpoints, metrics).
+"""`draftsmith train`: a data-gen folder -> a trained drafter in out/final (+ checkpoints, metrics).
 
-    draftsmith train method=eagle3 target=smollm2 data=runs/smol out=runs/eagle3
+    draftsmith train method=eagle3 target=smollm2 data=runs/smol out=runs/eagle3 method.draft_vocab_size=8192
     torchrun --nproc_per_node 2 -m draftsmith.cli train ... deepspeed=zero2
+
+The method (`method=`, an entry of draftsmith.methods) builds the drafter, its training step and
+its saved folder; this file is the same for every method.
 
 Modes: online (the target runs in this process, features per batch under no_grad) and offline
 (features read from the data's hidden_states/; the target is loaded once for its embeddings and
@@ -13,6 +16,8 @@ run(cfg) returns {"out", "final", "mode", "steps", "metrics" (last step), "val" 
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import torch
@@ -21,15 +26,11 @@ from omegaconf import OmegaConf
 from draftsmith import DraftsmithError
 from draftsmith.data_gen.manifest import atomic_write_bytes, atomic_write_json, claim_output, prepare_output
 from draftsmith.data_gen.target import load_target
-from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
-from draftsmith.heads.vocab import build_vocab_map, count_tokens
+from draftsmith.methods import Method, method_for_config
 from draftsmith.train import checkpoint as ckpt
 from draftsmith.train.data import load_data
-from draftsmith.train.eagle3 import Eagle3Step, TargetHead, summarize
 from draftsmith.train.trainer import (Logger, autocast, evaluate, init_distributed, load_checkpoint,
                                       train_loop, wrap_for_training)
-
-METHODS = ("eagle3",)
 
 
 def validate(cfg) -> None:
@@ -39,20 +40,14 @@ def validate(cfg) -> None:
     check_config("train", cfg)
 
 
-def compat_fields(cfg, identity: dict, draft_vocab: int, world: int, n_train: int, total_steps: int) -> dict:
-    """What a checkpoint must share with this run for exact resume."""
-    return {"method": cfg.method, "target_hash": identity["target_hash"], "tokenizer_hash": identity["tokenizer_hash"],
-            "hidden_size": identity["hidden_size"], "draft_vocab_size": draft_vocab, "ttt_steps": cfg.ttt_steps,
+def compat_fields(cfg, identity: dict, world: int, n_train: int, total_steps: int) -> dict:
+    """What a checkpoint must share with this run for exact resume (the method's options included)."""
+    method_options = {f"method.{k}": v for k, v in OmegaConf.to_container(cfg.method, resolve=True).items()}
+    return {"method": cfg.method.name, **method_options, "target_hash": identity["target_hash"],
+            "tokenizer_hash": identity["tokenizer_hash"], "hidden_size": identity["hidden_size"],
             "deepspeed": cfg.deepspeed.config, "world_size": world, "micro_batch_size": cfg.micro_batch_size,
             "grad_accum": cfg.grad_accum, "train_samples": n_train, "total_steps": total_steps,
             "precision": cfg.precision, "seed": cfg.seed}
-
-
-def save_final(head: Eagle3Head, folder: Path, identity: dict) -> Path:
-    """The trained head in the engine format vLLM / SGLang load (heads/checkpoint.py)."""
-    from draftsmith.heads.checkpoint import save_eagle3
-
-    return save_eagle3(head, folder, manifest_target=identity)
 
 
 def seed_everything(seed: int) -> None:
@@ -76,98 +71,105 @@ def close_distributed() -> None:
         dist.destroy_process_group()
 
 
+# ---- the steps of a run, in order -----------------------------------------------------------------
+
+def check_output(cfg) -> Path:
+    """out= may be new, empty or train's own earlier output, and never holds what this run reads."""
+    keywords = ("none", "false", "no", "0", "", "true", "yes", "1", "latest")
+    resume_path = None if str(cfg.resume).lower() in keywords else cfg.resume  # a checkpoint folder is read too
+    return prepare_output(cfg.out, "train", [("data", cfg.data), ("resume", resume_path), ("target", cfg.target.name)],
+                          overwrite=bool(cfg.overwrite))
+
+
+def total_steps_of(cfg, n_train: int, world: int) -> int:
+    global_batch = cfg.micro_batch_size * cfg.grad_accum * world
+    if n_train < global_batch:
+        raise DraftsmithError(f"the data has {n_train} training samples, fewer than one global batch "
+                              f"(micro_batch_size x grad_accum x world_size = {global_batch}).")
+    return cfg.max_steps if cfg.max_steps is not None else cfg.epochs * (n_train // global_batch)
+
+
+def find_resume(cfg, out: Path, compat: dict) -> tuple[Path | None, int]:
+    """(checkpoint to resume from or None, its step); checked before anything is written."""
+    resume = ckpt.resolve_resume(cfg.resume, out)
+    if resume is None:
+        if ckpt.list_checkpoints(out):
+            raise DraftsmithError(f"out={str(out)!r} already holds training checkpoints; pass resume=true or choose another out.")
+        return None, 0
+    state = ckpt.read_state(resume)
+    ckpt.check_compatible(state, compat, resume)
+    return resume, state["step"]
+
+
+def start_run_files(cfg, out: Path, resume: Path | None, start_step: int) -> None:
+    """Rank 0: claim out/, save the config; a fresh run starts a new log, a resumed one drops the
+    records past its checkpoint."""
+    claim_output(out, "train")
+    if resume is None:
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+        (out / "val_metrics.json").unlink(missing_ok=True)
+    atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
+    if resume is not None and (out / "metrics.jsonl").is_file():
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        keep = [ln for ln in lines if json.loads(ln).get("step", 0) <= start_step]
+        atomic_write_bytes(out / "metrics.jsonl", "".join(ln + "\n" for ln in keep).encode())
+
+
+def save_final(method: Method, w, drafter: torch.nn.Module, folder: Path, identity: dict, rank: int) -> None:
+    """The trained drafter in the format engines load (the method's `save`), written by rank 0.
+
+    A drafter is built from its config (`type(drafter)(drafter.config)`, as HF models are), so a
+    CPU copy takes the full weights whatever ZeRO stage held them."""
+    with w.full_weights() as sd:
+        if rank == 0:
+            cpu = type(drafter)(drafter.config)
+            cpu.load_state_dict({k: v.cpu() for k, v in sd.items()})
+            method.save(cpu, folder, identity)
+
+
 def run(cfg) -> dict:
     """Train; see the module docstring for what comes back."""
     if not OmegaConf.is_config(cfg):
         cfg = OmegaConf.structured(cfg)
     validate(cfg)
-    resume_path = None if str(cfg.resume).lower() in ("none", "false", "no", "0", "", "true", "yes", "1", "latest") \
-        else cfg.resume  # resume=<a checkpoint or run folder> is read too
-    out = prepare_output(cfg.out, "train", [("data", cfg.data), ("resume", resume_path), ("target", cfg.target.name)],
-                         overwrite=bool(getattr(cfg, "overwrite", False)))
+    out = check_output(cfg)
+    method = method_for_config(cfg.method)
     rank, world = init_distributed(cfg)
     if cfg.device == "cuda":  # one device per process
-        import os
-
         cfg.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
-    cfg.target.device = cfg.device  # the target runs beside the head
+    cfg.target.device = cfg.device  # the target runs beside the drafter
+
+    # prepare: the target, the data, the plan
     target = load_target(cfg.target)
     identity = target.identity()
     train, val, mode = load_data(cfg.data, identity, cfg.mode, cfg.max_length, cfg.val_samples)
+    total_steps = total_steps_of(cfg, len(train.indices), world)
+    compat = compat_fields(cfg, identity, world, len(train.indices), total_steps)
 
-    global_batch = cfg.micro_batch_size * cfg.grad_accum * world
-    batches_per_epoch = len(train.indices) // global_batch
-    if batches_per_epoch == 0:
-        raise DraftsmithError(f"the data has {len(train.indices)} training samples, fewer than one global batch "
-                              f"(micro_batch_size x grad_accum x world_size = {global_batch}).")
-    total_steps = cfg.max_steps if cfg.max_steps is not None else cfg.epochs * batches_per_epoch
-    draft_vocab = min(cfg.draft_vocab_size, target.vocab_size)
-    compat = compat_fields(cfg, identity, draft_vocab, world, len(train.indices), total_steps)
-
-    # Resume (checked before anything is written) or a fresh run in a folder without checkpoints.
-    resume = ckpt.resolve_resume(cfg.resume, out)
-    if resume is not None:
-        state = ckpt.read_state(resume)
-        ckpt.check_compatible(state, compat, resume)
-        from safetensors.torch import load_file
-
-        saved = load_file(str(resume / "head.safetensors"))
-        d2t, t2d = saved["d2t"], saved["t2d"]  # never rebuilt on resume
-    else:
-        if ckpt.list_checkpoints(out):
-            raise DraftsmithError(f"out={str(out)!r} already holds training checkpoints; pass resume=true or choose another out.")
-        state = {"step": 0}
-        rows = train.indices
-        counts = count_tokens((train.input_ids[i] for i in rows), (train.loss_mask[i] for i in rows), target.vocab_size)
-        d2t, t2d = build_vocab_map(counts, draft_vocab)
-
-    seed_everything(cfg.seed)  # the head's fresh layers; resume restores the RNG state later
-    head = Eagle3Head(eagle3_config_from_target(target.model.config, draft_vocab))
-    head.init_from_target(target.model, d2t, t2d)
-    head.to(cfg.device)
-    target_head = TargetHead(target.model.get_output_embeddings().weight, head.t2d)
+    # resume or start: the drafter (a resumed one keeps its checkpoint's vocab map)
+    resume, start_step = find_resume(cfg, out, compat)
+    seed_everything(cfg.seed)  # the drafter's fresh layers; resume restores the RNG state later
+    drafter = method.new_drafter(target, cfg.method, train, resume).to(cfg.device)
+    step_module, prepare = method.training(drafter, target, cfg.method, mode, lambda: autocast(cfg))
     if mode == "offline":
-        target = None  # the lm_head rows live on in target_head; the body is not needed
+        target = None  # what training needs of the target (its lm_head rows) lives on in `prepare`
 
-    def prepare(batch: dict) -> dict:
-        """Add the target side (features in online mode, distributions always) under no_grad."""
-        with torch.no_grad():
-            if mode == "online":
-                with autocast(cfg):
-                    aux, last = target.features(batch["input_ids"], batch["attention_mask"])
-            else:
-                aux, last = batch.pop("aux"), batch.pop("last")
-            batch.pop("last", None)
-            return {**batch, "aux": aux, "target": target_head(last)}
-
-    w = wrap_for_training(Eagle3Step(head, cfg.ttt_steps, cfg.ttt_decay), cfg, world, total_steps)
+    # wrap
+    w = wrap_for_training(step_module, cfg, world, total_steps)
     if resume is not None:
         load_checkpoint(w, resume, rank)
-
     config_dict = OmegaConf.to_container(cfg, resolve=True)
     if rank == 0:
-        claim_output(out, "train")  # creates out/, marked as train's own output
-        if resume is None:  # a fresh run (perhaps in its own earlier output): a new log
-            (out / "metrics.jsonl").unlink(missing_ok=True)
-            (out / "val_metrics.json").unlink(missing_ok=True)
-        atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
-        if resume is not None and (out / "metrics.jsonl").is_file():  # drop records past the checkpoint
-            import json
+        start_run_files(cfg, out, resume, start_step)
 
-            lines = (out / "metrics.jsonl").read_text().splitlines()
-            keep = [ln for ln in lines if json.loads(ln).get("step", 0) <= state["step"]]
-            atomic_write_bytes(out / "metrics.jsonl", "".join(ln + "\n" for ln in keep).encode())
-    logger = Logger(cfg, out, rank, total_steps, state["step"], config_dict)
+    # loop -> evaluate -> save the final drafter
+    logger = Logger(cfg, out, rank, total_steps, start_step, config_dict)
+    final = out / "final"
     try:
-        record = train_loop(w, cfg, train, prepare, summarize, out, rank, world, total_steps, state["step"],
-                            {"method": cfg.method, "compat": compat, "mode": mode, "config": config_dict}, logger)
-        val_metrics = evaluate(w, val, prepare, summarize, cfg, world) if val is not None else {}
-        final = out / "final"
-        with w.full_weights() as sd:
-            if rank == 0:
-                head_cpu = Eagle3Head(head.config)
-                head_cpu.load_state_dict({k: v.cpu() for k, v in sd.items()})
-                save_final(head_cpu, final, identity)
+        record = train_loop(w, cfg, train, prepare, method.summarize, out, rank, world, total_steps, start_step,
+                            {"method": method.name, "compat": compat, "mode": mode, "config": config_dict}, logger)
+        val_metrics = evaluate(w, val, prepare, method.summarize, cfg, world) if val is not None else {}
+        save_final(method, w, drafter, final, identity, rank)
     finally:
         logger.close()
         if world > 1:
@@ -175,4 +177,4 @@ def run(cfg) -> dict:
     if rank == 0 and val_metrics:
         atomic_write_json(out / "val_metrics.json", val_metrics)
     return {"out": str(out), "final": str(final), "mode": mode, "steps": total_steps, "metrics": record,
-            "val": val_metrics, "rank": rank, "world_size": world}
+            "val": val_metrics, "rank": rank, "world_size": world, "method": method.name}

@@ -4,8 +4,10 @@
     wrap_for_training -> Wrapped         DeepSpeed ZeRO 1/2/3 engine, or plain torch (DDP when world > 1)
     train_loop        -> dict            LR -> micro-steps -> clip + step -> log -> checkpoint
 
-The method's step (train/eagle3.py) is a module `forward(**batch) -> (loss, stats)`; the frozen
-target never enters it: `prepare(batch)` computes the target side under no_grad before forward.
+The method's step (its entry in draftsmith.methods; EAGLE-3's is train/eagle3.py) is a module
+`forward(**batch) -> (loss, stats)` whose `drafter` submodule is what checkpoints and the final
+folder hold; the frozen target never enters it: `prepare(batch)` computes the target side under
+no_grad before forward.
 """
 
 from __future__ import annotations
@@ -116,14 +118,14 @@ class Wrapped:
 
     @contextlib.contextmanager
     def full_weights(self):
-        """Yield the head's full state dict (ZeRO-3 gathers the partitions on every rank)."""
+        """Yield the drafter's full state dict (ZeRO-3 gathers the partitions on every rank)."""
         if self.engine is not None and self.engine.zero_optimization_stage() == 3:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
-                yield {k: v.detach().clone() for k, v in self.module.head.state_dict().items()}
+                yield {k: v.detach().clone() for k, v in self.module.drafter.state_dict().items()}
         else:
-            yield self.module.head.state_dict()
+            yield self.module.drafter.state_dict()
 
 
 def wrap_for_training(module: nn.Module, cfg, world: int, total_steps: int) -> Wrapped:
@@ -195,7 +197,7 @@ def load_checkpoint(w: Wrapped, path: Path, rank: int) -> None:
             w.engine.load_checkpoint(str(path / "deepspeed"), tag="state", load_optimizer_states=True,
                                      load_lr_scheduler_states=True)
     else:
-        w.module.head.load_state_dict(load_file(str(path / "head.safetensors")), strict=True)
+        w.module.drafter.load_state_dict(load_file(str(path / "head.safetensors")), strict=True)
         ckpt.load_optimizer(w.optimizer, path)
     w.scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
     ckpt.read_rng(path, rank)

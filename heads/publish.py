@@ -1,0 +1,441 @@
+"""`draftsmith publish`: an EAGLE-3 head -> one Hub-ready folder (engine formats + a measured model card) -> the Hub.
+
+    draftsmith publish head=runs/eagle3 report=runs/eval repo_id=me/Llama-3.1-8B-eagle3 dry_run=true
+    draftsmith publish head=runs/eagle3 report=runs/eval repo_id=me/Llama-3.1-8B-eagle3 private=true
+
+The folder: the first of `formats` at its root (eagle3 first: vLLM and SGLang load the root), any
+other in a subfolder named after it, `README.md` (the card: Hub metadata with model-index results
+from the eval report, the method, the training data, the eval figures and their conventions, the
+plot, serving commands) and `eval/` (the eval report and plot). The card's numbers come only from
+an eval report of this very head (matched by the SHA-256 of its weights, which eval records);
+without one, publish refuses unless `allow_no_eval=true`. The upload is one commit through
+huggingface_hub; the token comes from HF_TOKEN or `hf auth login` and is never printed or written.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from draftsmith import DraftsmithError
+from draftsmith.data_gen.manifest import (MANIFEST, OWNER, atomic_folder, atomic_write_bytes, atomic_write_json,
+                                          claim_output, prepare_output, read_manifest)
+from draftsmith.heads.export import FORMATS, is_set
+
+REPO_ID_RULE = "<owner>/<name>, letters, digits, '-', '_' and '.', at most 96 characters"
+# Targets draftsmith names itself, and their Hub ids and licenses
+KNOWN_TARGETS = {"smollm2": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0")}
+DEFAULT_K = 3  # speculative tokens in the serving commands when no eval report says otherwise
+
+
+@dataclass
+class PublishConfig:
+    head: str = "???"  # the EAGLE-3 head: a `draftsmith train` out/ folder or its final/ folder
+    repo_id: str = "???"  # the Hub model repo to create or update, as <owner>/<name>
+    # formats written: eagle3 (vLLM and SGLang) and/or speculators (vLLM); the first at the repo root
+    formats: list[str] = field(default_factory=lambda: ["eagle3", "speculators"])
+    report: Optional[str] = None  # eval out/ folder (or its report.json) of this same head: the card's numbers
+    allow_no_eval: bool = False  # true: publish without an eval report (the card says nothing was measured)
+    base_model: Optional[str] = None  # the target's Hub id (card + serving commands); null = the head's target id
+    license: Optional[str] = None  # the card's Hub license id (usually the target's); null = the target's if known
+    library_name: str = "vllm"  # the card's library_name: the engine that loads the head
+    private: bool = False  # create the repo private (an existing repo keeps its visibility)
+    dry_run: bool = False  # true: write the folder only, upload nothing
+    out: Optional[str] = None  # the folder that is uploaded; default: beside the head, `<head>-hub`
+    # K in the serving commands and the speculators config; null = the eval report's, else 3
+    speculative_tokens: Optional[int] = None
+    dtype: str = "bfloat16"  # dtype of the published weights: bfloat16 | float16 | float32
+    include_embeddings: bool = True  # false: engines share the target's embeddings
+    overwrite: bool = False  # true: replace an out folder that is not an earlier publish folder (never the head's)
+
+    def __post_init__(self):
+        from draftsmith import checks
+        from draftsmith.data_gen.target import DTYPES
+
+        if self.repo_id != "???":
+            check_repo_id(self.repo_id)
+        formats = list(self.formats or [])
+        if not formats:
+            raise DraftsmithError(f"formats=[] is empty; choose one or more of {', '.join(FORMATS)}.")
+        for fmt in formats:
+            checks.one_of("formats", fmt, FORMATS)
+        if len(set(formats)) != len(formats):
+            raise DraftsmithError(f"formats={formats} names a format twice.")
+        checks.at_least("speculative_tokens", self.speculative_tokens, 1, null="the eval report's K")
+        checks.one_of("dtype", self.dtype, DTYPES)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks made before any work
+
+
+def check_repo_id(repo_id) -> str:
+    """A Hub model repo id `<owner>/<name>` (huggingface_hub's own rules), or one sentence."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    text = str(repo_id or "")
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        text = ""
+    if text.count("/") != 1 or not re.fullmatch(r"[\w.-]+/[\w.-]+", text):
+        raise DraftsmithError(f"repo_id={repo_id!r} is not a valid Hub repo id; write it as {REPO_ID_RULE}.")
+    return text
+
+
+def head_folder(head: str | Path) -> Path:
+    """The EAGLE-3 folder `head=` names: the folder itself or its final/ (what train writes)."""
+    from draftsmith.heads.checkpoint import EAGLE3_ARCHITECTURE, WEIGHTS, read_config_json
+
+    path = Path(str(head))
+    folder = next((f for f in (path, path / "final") if (f / "config.json").is_file()), None)
+    if folder is None:
+        raise DraftsmithError(f"head={str(head)!r} has no config.json (nor a final/ folder holding one); give a "
+                              f"draftsmith train out/ folder or an EAGLE-3 head folder.")
+    if EAGLE3_ARCHITECTURE not in (read_config_json(folder).get("architectures") or []):
+        raise DraftsmithError(f"head {folder} is not an EAGLE-3 head folder ({EAGLE3_ARCHITECTURE}); publish the "
+                              f"folder draftsmith train wrote.")
+    if not (folder / WEIGHTS).is_file():
+        raise DraftsmithError(f"head {folder} has no {WEIGHTS}.")
+    return folder
+
+
+def read_report(path: str | Path) -> tuple[dict, Path]:
+    """(report.json of an eval out/ folder or the file itself, the folder holding it)."""
+    path = Path(str(path))
+    file = path / "report.json" if path.is_dir() else path
+    if not file.is_file():
+        raise DraftsmithError(f"report={str(path)!r} is neither an eval out/ folder with report.json nor a report.json.")
+    try:
+        report = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise DraftsmithError(f"{file} cannot be read as JSON ({e}).") from None
+    if not isinstance(report, dict) or "tau" not in report or "drafting" not in report:
+        raise DraftsmithError(f"{file} is not a draftsmith eval report (no tau / drafting).")
+    return report, file.parent
+
+
+def matching_report(cfg, folder: Path) -> Optional[tuple[dict, Path]]:
+    """The eval report of this head (matched by the SHA-256 of its weights), None when allowed, else refused."""
+    from draftsmith.heads.checkpoint import weights_sha256
+
+    if not cfg.report:
+        if cfg.allow_no_eval:
+            return None
+        raise DraftsmithError("publish needs the eval report of this head for the card: pass report=<eval out/ "
+                              "folder> (draftsmith eval head=... out=...), or allow_no_eval=true to publish unmeasured.")
+    report, where = read_report(cfg.report)
+    have = (report.get("drafter") or {}).get("sha256")
+    want = weights_sha256(folder)
+    if have != want:
+        said = f"sha256 {have[:12]}..." if have else "no head hash (an eval from before draftsmith recorded one)"
+        raise DraftsmithError(f"report={cfg.report} is not an eval of head {folder}: the report records {said}, the "
+                              f"head's weights hash to {want[:12]}...; evaluate this head (draftsmith eval head="
+                              f"{cfg.head}) and pass that report.")
+    return report, where
+
+
+def resolve_base_model(cfg, target: dict) -> tuple[str, str]:
+    """(the target's Hub id, the card's license), refused with one sentence when neither is known."""
+    target_id = str(target.get("target_id") or "")
+    known_id, known_license = KNOWN_TARGETS.get(target_id, (None, None))
+    base = cfg.base_model or known_id or target_id
+    if not base or Path(base).exists() or base.endswith(".gguf") or base.count("/") != 1:
+        raise DraftsmithError(f"the head's target {target_id or '(unknown)'!r} is not a Hub model id; pass "
+                              f"base_model=<owner>/<name> of the target on the Hub.")
+    check_repo_id(base)
+    license = cfg.license or known_license or local_license(target_id)
+    if not license:
+        raise DraftsmithError(f"the license of {base} is not known here; pass license=<Hub license id> (a head "
+                              f"trained on a target's outputs usually takes the target's license).")
+    return base, license
+
+
+def local_license(target_id: str) -> Optional[str]:
+    """The license in a local target folder's README.md metadata, if any."""
+    readme = Path(target_id) / "README.md"
+    if not target_id or not readme.is_file():
+        return None
+    from huggingface_hub import ModelCard
+
+    return ModelCard.load(readme).data.to_dict().get("license")
+
+
+# ---------------------------------------------------------------------------------------------
+# What the card says
+
+
+def serving_commands(base_model: str, repo_id: str, report: Optional[dict], k: int, formats: list[str]) -> dict:
+    """Copy-paste commands for vLLM and (EAGLE-3 format at the root) SGLang, with the eval's drafting settings."""
+    spec = json.dumps({"method": "eagle3", "model": repo_id, "num_speculative_tokens": k})
+    commands = {"vllm": f"vllm serve {base_model} \\\n    --speculative-config '{spec}'"}
+    if formats[0] == "eagle3":
+        drafting = (report or {}).get("drafting") or {}
+        tree = drafting.get("mode") == "tree"
+        topk = int(drafting.get("tree_top_k", 1)) if tree else 1
+        draft_tokens = int(drafting.get("tree_budget", k)) + 1 if tree else k + 1  # SGLang counts the root token
+        commands["sglang"] = (f"python -m sglang.launch_server --model-path {base_model} \\\n"
+                              f"    --speculative-algorithm EAGLE3 --speculative-draft-model-path {repo_id} \\\n"
+                              f"    --speculative-num-steps {k} --speculative-eagle-topk {topk} "
+                              f"--speculative-num-draft-tokens {draft_tokens}")
+    return commands
+
+
+def eval_results(report: dict, base_model: str) -> list:
+    """model-index entries: tau, speedup and position-1 acceptance of the report."""
+    from huggingface_hub import EvalResult
+
+    prompts = report.get("prompts") or {}
+    source = Path(str(prompts.get("path") or prompts.get("source") or "prompts")).stem
+    d = report["drafting"]
+    setting = f"{d['mode']} K={d['num_speculative_tokens']}, temperature {report.get('temperature')}"
+    common = dict(task_type="text-generation", task_name=f"speculative decoding with {base_model}",
+                  dataset_type=source, dataset_name=f"{source} ({report.get('n_prompts')} prompts)",
+                  dataset_args={"drafting": setting}, verified=False)
+    results = [EvalResult(metric_type="acceptance_length", metric_name="acceptance length tau (bonus token included)",
+                          metric_value=round(float(report["tau"]), 4), **common),
+               EvalResult(metric_type="speedup", metric_name="speedup vs target-only decoding (same decoder, "
+                          f"{report.get('hardware', {}).get('device', '?')})",
+                          metric_value=round(float(report["speedup"]), 4), **common)]
+    if report.get("per_position_acceptance"):
+        results.append(EvalResult(metric_type="acceptance_rate", metric_name="acceptance rate at draft position 1",
+                                  metric_value=round(float(report["per_position_acceptance"][0]), 4), **common))
+    return results
+
+
+def training_summary(folder: Path) -> dict:
+    """What the head's manifest, its training run and its data-gen output record (missing parts stay out)."""
+    summary: dict = {}
+    if (folder / MANIFEST).is_file():
+        summary["head"] = read_manifest(folder).get("counts", {})
+    run_dir = folder.parent if folder.name == "final" else None
+    if run_dir is not None and (run_dir / "config.yaml").is_file():
+        from omegaconf import OmegaConf
+
+        train = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=False)
+        summary["train"] = {k: train.get(k) for k in ("method", "mode", "epochs", "max_steps", "lr", "precision",
+                                                      "ttt_steps", "ttt_decay", "draft_vocab_size", "max_length",
+                                                      "micro_batch_size", "grad_accum") if k in train}
+        data = Path(str(train.get("data", "")))
+        if train.get("data") and (data / MANIFEST).is_file():
+            manifest = read_manifest(data)
+            summary["data"] = {"counts": manifest.get("counts", {}),
+                               "hidden_states": bool(manifest.get("hidden_states"))}
+            if (data / "config.yaml").is_file():
+                prompts = (OmegaConf.to_container(OmegaConf.load(data / "config.yaml"), resolve=False) or {}).get(
+                    "prompts") or {}
+                summary["data"]["prompts"] = prompts.get("source")
+    return summary
+
+
+def _fmt(x, digits: int = 2) -> str:
+    return f"{x:.{digits}f}" if isinstance(x, (int, float)) else "-"
+
+
+def eval_section(report: Optional[dict], plot: bool) -> list[str]:
+    if report is None:
+        return ["## Evaluation", "", "Not measured: this head was published without a draftsmith eval report "
+                "(`allow_no_eval=true`). Its acceptance length and speedup are unknown.", ""]
+    d, hw = report["drafting"], report.get("hardware", {})
+    acc = report.get("per_position_acceptance") or []
+    lines = ["## Evaluation", "",
+             f"Measured with draftsmith's built-in lossless decoder on {report['target']['target_id']}: "
+             f"{report.get('n_prompts')} prompts ({(report.get('prompts') or {}).get('source')}), "
+             f"{report.get('n_samples')} decoded turns, temperature {report.get('temperature')}, {d['mode']} drafting "
+             f"with K = {d['num_speculative_tokens']}"
+             + (f" (tree_top_k {d['tree_top_k']}, tree_budget {d['tree_budget']})" if d["mode"] == "tree" else "")
+             + f", max_new_tokens {report.get('max_new_tokens')}, median of {report.get('repeats')} runs, on "
+             f"{hw.get('cpu', '?')} / device {hw.get('device', '?')}" + (f" ({hw['gpu']})" if hw.get("gpu") else "")
+             + ".", "",
+             "| metric | value |", "|---|---:|",
+             f"| acceptance length τ | {_fmt(report['tau'])} |",
+             f"| speedup vs target-only | {_fmt(report['speedup'])}x |",
+             f"| speculative tokens/s | {_fmt(report.get('speculative_tokens_per_s'), 1)} |",
+             f"| target-only tokens/s | {_fmt(report.get('target_only_tokens_per_s'), 1)} |",
+             "| per-position acceptance | " + " / ".join(_fmt(a) for a in acc) + " |"]
+    if report.get("greedy_identical_fraction") is not None:
+        lines.append(f"| greedy output identical to the target's | {report['greedy_identical_fraction']:.0%} |")
+    cats = report.get("per_category") or {}
+    if cats:
+        lines += ["", "| category | n | τ | speedup |", "|---|---:|---:|---:|"]
+        lines += [f"| {c} | {r.get('n')} | {_fmt(r.get('tau'))} | {_fmt(r.get('speedup'))}x |" for c, r in cats.items()]
+    for name, b in (report.get("baselines") or {}).items():
+        lines.append(f"\nBaseline {name} on the same prompts: τ {_fmt(b.get('tau'))}, speedup {_fmt(b.get('speedup'))}x.")
+    lines += ["", f"Conventions: {report.get('conventions', '')}", ""]
+    if plot:
+        lines += ["![per-position acceptance and τ per category](eval/report.png)", ""]
+    lines += ["The whole report is in `eval/report.json` and `eval/report.md`.", ""]
+    return lines
+
+
+def method_section(summary: dict) -> list[str]:
+    train = summary.get("train", {})
+    head = summary.get("head", {})
+    lines = ["## Method", "",
+             "EAGLE-3: one Llama decoder layer fed by the target's hidden states from three layers (low, middle, "
+             "high), fused by a linear layer, trained with the training-time test (the head's own outputs fed "
+             f"back for {train.get('ttt_steps', 7)} steps, loss weights {train.get('ttt_decay', 0.8)}^i) on the "
+             "target's own answers. It drafts over a reduced vocabulary mapped to the target's by `d2t` / `t2d`."]
+    facts = {"draft vocab": head.get("draft_vocab_size") or train.get("draft_vocab_size"),
+             "parameters (without embeddings)": head.get("parameters"), "mode": train.get("mode"),
+             "precision": train.get("precision"), "learning rate": train.get("lr"), "epochs": train.get("epochs"),
+             "max steps": train.get("max_steps"), "max length": train.get("max_length")}
+    lines += [""] + [f"- {k}: {v}" for k, v in facts.items() if v is not None] + [""]
+    data = summary.get("data")
+    lines += ["## Training data", ""]
+    if data:
+        c = data["counts"]
+        lines.append(f"Prompts ({data.get('prompts') or 'unknown source'}) answered by the target itself "
+                     f"(draftsmith data-gen): {c.get('samples')} samples, {c.get('tokens')} tokens, of which "
+                     f"{c.get('loss_tokens')} assistant tokens carry the loss"
+                     + ("; hidden states captured offline." if data.get("hidden_states") else "; features computed online."))
+    else:
+        lines.append("Not recorded beside this head (no training run / data-gen manifest found).")
+    return lines + [""]
+
+
+def build_card(cfg, base_model: str, license: str, report: Optional[dict], summary: dict, k: int,
+               formats: list[str], plot: bool) -> str:
+    """README.md: Hub metadata (base_model, license, library_name, tags, pipeline_tag, model-index) + the card."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    name = cfg.repo_id.split("/")[1]
+    tags = ["eagle3", "speculative-decoding", "draft-model", "draftsmith", "vllm"] + \
+        (["sglang"] if formats[0] == "eagle3" else []) + (["speculators"] if "speculators" in formats else [])
+    data = ModelCardData(base_model=base_model, license=license, library_name=cfg.library_name, tags=tags,
+                         pipeline_tag="text-generation", model_name=name,
+                         eval_results=eval_results(report, base_model) if report else None)
+    commands = serving_commands(base_model, cfg.repo_id, report, k, formats)
+    body = [f"# {name}", "",
+            f"An EAGLE-3 draft head for [{base_model}](https://huggingface.co/{base_model}): it proposes tokens that "
+            f"the target verifies, so outputs are the target's own (lossless); it only changes speed.", "",
+            "## Serve it", "", "vLLM:", "", "```bash", commands["vllm"], "```", ""]
+    if "sglang" in commands:
+        body += ["SGLang:", "", "```bash", commands["sglang"], "```", ""]
+    else:
+        body += ["SGLang loads the EAGLE-3 format: publish with formats=[eagle3,...] to serve this head there.", ""]
+    body += [f"K = {k} speculative tokens" + (" (the eval's setting)." if report else "."), ""]
+    body += eval_section(report, plot) + method_section(summary)
+    body += ["## Files", ""] + [f"- `{'.' if i == 0 else fmt + '/'}`: the {fmt} format"
+                                + (" (vLLM `LlamaForCausalLMEagle3`, SGLang)" if fmt == "eagle3" else
+                                   " (vLLM `Eagle3DraftModel`, speculators_config)") for i, fmt in enumerate(formats)]
+    body += ["", f"Trained, measured and published with draftsmith; weights in {cfg.dtype}.", ""]
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The folder and the upload
+
+
+def write_formats(folder: Path, tmp: Path, formats: list[str], cfg, base_model: str, k: int) -> None:
+    """Export the head into tmp: the first format at the root, the others in subfolders (export's own writers)."""
+    from draftsmith.data_gen.target import torch_dtype
+    from draftsmith.heads.checkpoint import load_eagle3, save_eagle3
+    from draftsmith.heads.export import save_speculators
+
+    head = load_eagle3(folder)
+    target = read_manifest(folder).get("target") if (folder / MANIFEST).is_file() else None
+    dtype = torch_dtype(cfg.dtype)
+    for i, fmt in enumerate(formats):
+        sub = tmp / (f".{fmt}-root" if i == 0 else fmt)
+        if fmt == "eagle3":
+            save_eagle3(head, sub, manifest_target=target, dtype=dtype, include_embeddings=cfg.include_embeddings,
+                        stage="export")
+        else:
+            save_speculators(head, sub, verifier=base_model, speculative_tokens=k, manifest_target=target,
+                             dtype=dtype, include_embeddings=cfg.include_embeddings)
+        (sub / OWNER).unlink(missing_ok=True)
+        if i == 0:
+            for f in sub.iterdir():
+                f.rename(tmp / f.name)
+            sub.rmdir()
+
+
+def write_publish_folder(cfg, out: Path, folder: Path, report: Optional[tuple[dict, Path]], base_model: str,
+                         license: str, k: int) -> Path:
+    """The Hub-ready folder (atomically): formats, eval/ (report + plot), README.md."""
+    formats = list(cfg.formats)
+    with atomic_folder(out, owner="publish") as tmp:
+        claim_output(tmp, "publish")
+        write_formats(folder, tmp, formats, cfg, base_model, k)
+        plot = False
+        if report is not None:
+            data, where = report
+            (tmp / "eval").mkdir()
+            atomic_write_json(tmp / "eval" / "report.json", data)
+            for name in ("report.md", "report.png"):
+                if (where / name).is_file():
+                    shutil.copyfile(where / name, tmp / "eval" / name)
+            plot = (tmp / "eval" / "report.png").is_file()
+        card = build_card(cfg, base_model, license, report[0] if report else None, training_summary(folder), k,
+                          formats, plot)
+        atomic_write_bytes(tmp / "README.md", card.encode())
+    return out
+
+
+def upload_files(out: Path) -> list[str]:
+    """The files of the publish folder that go to the Hub (draftsmith's owner file stays local), sorted."""
+    return sorted(p.relative_to(out).as_posix() for p in out.rglob("*")
+                  if p.is_file() and p.name != OWNER and not p.name.startswith("."))
+
+
+def upload(out: Path, repo_id: str, private: bool, commit_message: str) -> dict:
+    """Create the repo if needed and push every file of `out` in ONE commit; the token is huggingface_hub's own."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    api = HfApi()  # token: HF_TOKEN or the saved login, resolved by huggingface_hub, never seen here
+    files = upload_files(out)
+    try:
+        repo = api.create_repo(repo_id, repo_type="model", private=private or None, exist_ok=True)
+        info = api.create_commit(repo_id, repo_type="model", commit_message=commit_message,
+                                 operations=[CommitOperationAdd(path_in_repo=f, path_or_fileobj=str(out / f))
+                                             for f in files])
+    except HfHubHTTPError as e:
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        raise DraftsmithError(f"the Hub refused the upload to {repo_id}"
+                              + (f" (HTTP {status})" if status else "") + f": {str(e).splitlines()[0]}") from None
+    return {"url": str(getattr(repo, "url", "") or f"https://huggingface.co/{repo_id}"),
+            "commit": getattr(info, "oid", None), "files": files}
+
+
+def has_token() -> bool:
+    from huggingface_hub import get_token
+
+    return bool(get_token())
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage
+
+
+def run(cfg) -> dict:
+    """Check everything, write the publish folder, and (unless dry_run) upload it; returns what was done."""
+    for key, hint in (("head", "head=<draftsmith train out/ folder>"), ("repo_id", "repo_id=<owner>/<name>")):
+        if not is_set(cfg, key):
+            raise DraftsmithError(f"{key}= is required: pass {hint}.")
+    repo_id = check_repo_id(cfg.repo_id)  # before any work
+    folder = head_folder(cfg.head)
+    report = matching_report(cfg, folder)
+    target = read_manifest(folder).get("target", {}) if (folder / MANIFEST).is_file() else {}
+    base_model, license = resolve_base_model(cfg, target)
+    k = cfg.speculative_tokens or (report[0]["drafting"]["num_speculative_tokens"] if report else DEFAULT_K)
+    if not cfg.dry_run and not has_token():
+        raise DraftsmithError("no Hugging Face token: set HF_TOKEN or run `hf auth login` (or pass dry_run=true).")
+    head_arg = Path(str(cfg.head).rstrip("/"))
+    out = Path(cfg.out) if cfg.out else head_arg.with_name(f"{head_arg.name}-hub")
+    inputs = [("head", head_arg), ("head", folder)] + ([("report", cfg.report)] if cfg.report else [])
+    out = prepare_output(out, "publish", inputs, overwrite=bool(cfg.overwrite))
+    write_publish_folder(cfg, out, folder, report, base_model, license, int(k))
+    result = {"out": str(out), "repo_id": repo_id, "files": upload_files(out), "uploaded": False}
+    if cfg.dry_run:
+        print(f"draftsmith publish: wrote {out} ({len(result['files'])} files); dry_run=true, nothing uploaded")
+        return result
+    done = upload(out, repo_id, bool(cfg.private), f"draftsmith publish: EAGLE-3 head for {base_model}")
+    result.update(uploaded=True, url=done["url"], commit=done["commit"])
+    print(f"draftsmith publish: uploaded {len(done['files'])} files from {out} to {done['url']} in one commit")
+    return result

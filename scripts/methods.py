@@ -1,0 +1,185 @@
+"""The method table: one entry per drafting method. Stages look a method up here; none branches on a name.
+
+    train   METHODS[name]: config (configs/method/<name>.yaml) -> new_drafter -> training -> save
+    eval    method_for_folder(config.json): load -> proposer (the decoder's interface, eval/proposers.py)
+    export  method_for_folder(config.json): load -> formats[format]
+
+A method's own code lives in its files (EAGLE-3: heads/eagle3.py the drafter, heads/checkpoint.py
+and heads/export.py its folders, train/eagle3.py its training step, eval/proposers.py its
+proposer); its entry only names them. Adding a method is one entry plus its own files:
+
+    Method(name, config=<dataclass>, architectures=(<config.json architecture>,),
+           new_drafter=f(target, method_cfg, train_data, resume_checkpoint) -> nn.Module,
+           training=f(drafter, target, method_cfg, mode, autocast) -> (module with .drafter, prepare),
+           summarize=f(stats) -> dict, save=f(drafter, folder, target_identity) -> Path,
+           load=f(folder, target) -> drafter, proposer=f(drafter, target_vocab_size, max_len) -> Proposer,
+           formats={format: f(drafter, folder, manifest_target, options) -> Path})
+
+A method without `config` can be evaluated (its folders loaded and drafted with) but not trained.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from draftsmith import DraftsmithError
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    load: Callable  # (folder, target | None) -> drafter module, checked against the target when given
+    proposer: Callable  # (drafter, target_vocab_size, max_len) -> eval Proposer
+    architectures: tuple[str, ...] = ()  # config.json `architectures` of its folders; () = any other
+    config: Optional[type] = None  # the training options dataclass; None = not trainable
+    new_drafter: Optional[Callable] = None
+    training: Optional[Callable] = None
+    summarize: Optional[Callable] = None
+    save: Optional[Callable] = None
+    formats: dict[str, Callable] = field(default_factory=dict)  # export format -> writer
+    foreign_architectures: dict[str, str] = field(default_factory=dict)  # loadable elsewhere only: why not here
+
+
+# ---- EAGLE-3 ------------------------------------------------------------------------------------
+
+def _load_eagle3(folder: Path, target=None):
+    from draftsmith.heads.checkpoint import load_eagle3
+
+    if target is None:
+        return load_eagle3(folder)
+    return load_eagle3(folder, device=target.device, dtype=target.dtype,
+                       target_embeddings=target.model.get_input_embeddings())
+
+
+def _save_eagle3(head, folder: Path, identity: dict) -> Path:
+    from draftsmith.heads.checkpoint import save_eagle3
+
+    return save_eagle3(head, folder, manifest_target=identity)
+
+
+def _export_eagle3(head, folder: Path, manifest_target: Optional[dict], options) -> Path:
+    from draftsmith.heads.checkpoint import save_eagle3
+
+    return save_eagle3(head, folder, manifest_target=manifest_target, dtype=options.dtype,
+                       include_embeddings=options.include_embeddings, stage="export")
+
+
+def _export_speculators(head, folder: Path, manifest_target: Optional[dict], options) -> Path:
+    from draftsmith.heads.export import save_speculators
+
+    verifier = options.verifier or (manifest_target or {}).get("target_id")
+    return save_speculators(head, folder, verifier=verifier, speculative_tokens=options.speculative_tokens,
+                            manifest_target=manifest_target, dtype=options.dtype,
+                            include_embeddings=options.include_embeddings)
+
+
+def _eagle3_proposer(head, target_vocab_size: int, max_len: int):
+    from draftsmith.eval.proposers import Eagle3Proposer
+
+    return Eagle3Proposer(head, target_vocab_size, max_len)
+
+
+def _eagle3_entry() -> Method:
+    from draftsmith.train import eagle3
+
+    return Method(
+        name="eagle3", config=eagle3.Eagle3Config, architectures=("LlamaForCausalLMEagle3",),
+        new_drafter=eagle3.new_eagle3, training=eagle3.eagle3_training, summarize=eagle3.summarize,
+        save=_save_eagle3, load=_load_eagle3, proposer=_eagle3_proposer,
+        formats={"eagle3": _export_eagle3, "speculators": _export_speculators},
+        foreign_architectures={"Eagle3DraftModel": "the speculators format (vLLM loads it); give the "
+                                                   "EAGLE-3 folder it was exported from"})
+
+
+# ---- a draft model: any HF causal LM sharing the target's tokenizer (training: issue 9) ----------
+
+def _load_draft_model(folder: Path, target=None):
+    from transformers import AutoModelForCausalLM
+
+    if target is None:
+        return AutoModelForCausalLM.from_pretrained(folder).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()
+
+
+def _draft_model_proposer(model, target_vocab_size: int, max_len: int):
+    from draftsmith.eval.proposers import DraftModelProposer
+
+    return DraftModelProposer(model, target_vocab_size, max_len)
+
+
+def _draft_model_entry() -> Method:
+    return Method(name="draft_model", load=_load_draft_model, proposer=_draft_model_proposer)
+
+
+# ---- the table ----------------------------------------------------------------------------------
+
+_ENTRIES = (_eagle3_entry, _draft_model_entry)
+METHODS: dict[str, Method] = {}
+
+
+def methods() -> dict[str, Method]:
+    """name -> Method, built on first use (entries import their modules lazily)."""
+    if not METHODS:
+        for make in _ENTRIES:
+            entry = make()
+            METHODS[entry.name] = entry
+    return METHODS
+
+
+def register(entry: Method) -> None:
+    """Add (or replace) an entry: a method defined outside draftsmith, or a test's."""
+    methods()[entry.name] = entry
+
+
+def trainable() -> list[str]:
+    return [name for name, m in methods().items() if m.config is not None]
+
+
+def method_for_config(method_cfg: Any) -> Method:
+    """The entry whose config dataclass types `method_cfg` (a composed `method` node or a dataclass)."""
+    from omegaconf import OmegaConf
+
+    cls = OmegaConf.get_type(method_cfg) if OmegaConf.is_config(method_cfg) else type(method_cfg)
+    for entry in methods().values():
+        if entry.config is not None and entry.config is cls:
+            return entry
+    name = getattr(method_cfg, "name", None)
+    raise DraftsmithError(f"method={name!r} is not one of the trainable methods {', '.join(trainable())}.")
+
+
+def read_folder_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except OSError as e:
+        raise DraftsmithError(f"{path} cannot be read ({e.strerror}).") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DraftsmithError(f"{path} is not valid JSON ({e}).") from None
+    if not isinstance(config, dict):
+        raise DraftsmithError(f"{path} is not a model config: it holds no JSON object.")
+    return config
+
+
+def method_for_folder(folder: Path, config: Optional[dict] = None) -> Method:
+    """The entry whose folders declare this `architectures` (the catch-all entry otherwise)."""
+    config = read_folder_config(folder) if config is None else config
+    arch = (config.get("architectures") or [None])[0]
+    catch_all = None
+    for entry in methods().values():
+        if arch in entry.foreign_architectures:
+            raise DraftsmithError(f"{folder} is in {entry.foreign_architectures[arch]}.")
+        if arch in entry.architectures:
+            return entry
+        if not entry.architectures:
+            catch_all = entry
+    if catch_all is None:
+        raise DraftsmithError(f"{folder} declares architectures {config.get('architectures')!r}, which no "
+                              f"draftsmith method reads.")
+    return catch_all
+
+
+def export_formats() -> list[str]:
+    return [fmt for entry in methods().values() for fmt in entry.formats]
