@@ -7,20 +7,32 @@ from typing import Optional
 
 from draftsmith import DraftsmithError, checks
 from draftsmith.data_gen.target import DTYPES, TargetConfig
+from draftsmith.sampling import SamplingConfig
 
 PROMPT_SOURCES = ("self", "sharegpt", "openai", "question", "hf")
 
 
 @dataclass
-class PromptsConfig:
+class PromptSetConfig:
+    """Which prompt set: what data-gen's `prompts` and eval's share (each stage extends it)."""
+
     # self | sharegpt | openai | question | hf  (question = Spec-Bench / MT-bench `turns` JSONL;
     # hf = a `datasets` dataset saved to disk or named by hub id)
     source: str = "self"
     path: Optional[str] = None  # the prompt file (JSONL), or the hf dataset folder or hub id
-    split: str = "train"  # hf: the dataset split
     # Most prompts to use (self: how many the target writes). None = all.
     n: Optional[int] = 64
     seed: int = 0  # sampling of the prompt set (and of self-written prompts)
+
+    def __post_init__(self):
+        checks.at_least("prompts.n", self.n, 1, null="all")
+
+
+@dataclass
+class PromptsConfig(PromptSetConfig):
+    """data-gen's prompts: a prompt set, or the target writing its own (`self`)."""
+
+    split: str = "train"  # hf: the dataset split
     # self-written prompts: sampling of the user turn
     temperature: float = 1.0  # self: sampling temperature of the user turn
     top_p: float = 0.95  # self: nucleus sampling of the user turn, in (0, 1]
@@ -31,15 +43,12 @@ class PromptsConfig:
     max_attempts: Optional[int] = None
 
     def __post_init__(self):
-        self._check_source()
-        checks.at_least("prompts.n", self.n, 1, null="all")
+        super().__post_init__()
+        checks.one_of("prompts.source", self.source, PROMPT_SOURCES)
         checks.at_least("prompts.temperature", self.temperature, 0)
         checks.in_range("prompts.top_p", self.top_p, 0, 1, low_open=True)
         checks.at_least("prompts.max_prompt_tokens", self.max_prompt_tokens, 1)
         checks.at_least("prompts.max_attempts", self.max_attempts, 1, null="8 * n")
-
-    def _check_source(self):
-        checks.one_of("prompts.source", self.source, PROMPT_SOURCES)
 
     def check_required(self):
         """Before a run (draftsmith.configs.check_config): every source but self reads prompts.path."""
@@ -76,8 +85,8 @@ class DataGenConfig:
     seed: int = 0  # sampling seed of the regeneration
     # Regeneration of every assistant turn by the target.
     regenerate: bool = True  # false: keep the prompt set's own assistant turns
-    temperature: float = 0.0  # of the regeneration; 0 = greedy
-    top_p: float = 1.0  # of the regeneration, in (0, 1]
+    temperature: float = SamplingConfig.temperature  # of the regeneration; 0 = greedy
+    top_p: float = SamplingConfig.top_p  # of the regeneration, in (0, 1]
     max_new_tokens: int = 256  # per regenerated assistant turn
     regenerate_chunk: int = 64  # prompts per saved regeneration part (a killed run resumes from the last one)
     # Tokenization with assistant-only loss masks.

@@ -6,16 +6,19 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from draftsmith import DraftsmithError, checks
-from draftsmith.data_gen.config import PromptsConfig
+from draftsmith.data_gen.config import PromptSetConfig
 from draftsmith.data_gen.target import TargetConfig
-from draftsmith.eval.decoder import DraftingConfig, SamplingConfig
+from draftsmith.eval.decoder import DraftingConfig
+from draftsmith.sampling import SamplingConfig
 
 BASELINES = ("ngram", "hf_generate", "hf_assisted")
 
 
 @dataclass
-class EvalPromptsConfig(PromptsConfig):
-    """Which prompts to decode. Accepts every key of data-gen's `prompts/*` options, plus eval's own."""
+class EvalPromptsConfig(PromptSetConfig):
+    """Which prompts to decode: a prompt set (data-gen's `prompts/*` options compose here) plus eval's own keys.
+
+    Sampling is the decoder's (temperature, top_k, top_p at the top level), not the prompt set's."""
 
     source: str = "question"  # question | sharegpt | openai | holdout  (see draftsmith.eval.prompts)
     path: Optional[str] = None  # a JSONL file; for holdout, a data-gen output folder
@@ -31,9 +34,6 @@ class EvalPromptsConfig(PromptsConfig):
         if self.source == "holdout":
             checks.at_least("prompts.holdout", self.holdout, 1)
 
-    def _check_source(self):
-        pass  # data-gen's prompt options compose here too; draftsmith.eval.prompts.load_prompts names the sources
-
     def check_required(self):
         if self.path in (None, "", "???"):
             raise DraftsmithError(f"prompts.source={self.source} needs prompts.path=<file or folder>.")
@@ -48,13 +48,13 @@ class EvalConfig:
     head: str = "ngram"
     out: str = "runs/eval"  # output folder: report.json, report.md, plot
     overwrite: bool = False  # true: write into an out folder that is not an earlier eval output
-    # Sampling (applied to both target and draft distributions); temperature 0 = greedy.
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # nucleus sampling, in (0, 1]
+    # Sampling (applied to both target and draft distributions; draftsmith.sampling).
+    temperature: float = SamplingConfig.temperature  # 0 = greedy
+    top_k: int = SamplingConfig.top_k  # 0 = off
+    top_p: float = SamplingConfig.top_p  # nucleus sampling, in (0, 1]
     drafting: DraftingConfig = field(default_factory=DraftingConfig)
     # n-gram proposer (the `ngram` head and baseline): longest suffix match up to this length.
-    ngram_max: int = 3  # n-gram proposer: longest suffix matched
+    ngram_max: int = 3  # n-gram proposer: longest suffix matched (eval/proposers.py NgramProposer)
     ngram_min: int = 1  # n-gram proposer: shortest suffix matched
     max_new_tokens: int = 128  # per decoded turn
     # Timing: every prompt is decoded `repeats` times by each method; its time is the median.

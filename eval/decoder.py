@@ -12,36 +12,21 @@ root is the last emitted token, which the target has not processed yet. One veri
 Trees and n-gram drafts are deterministic, so their q is one-hot at the drafted token (q = None):
 accept with prob p(x), residual = p with x removed, renormalised; still exactly p.
 τ (acceptance length) = tokens emitted per target verification, bonus included.
+
+A proposer (eval/proposers.py) is anything with the `Proposer` methods; `proposer=None` is
+target-only decoding. The target runner's committed length moves only through `runner.commit`.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
 from draftsmith import DraftsmithError
-
-
-@dataclass
-class SamplingConfig:
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
-
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise DraftsmithError(f"temperature={self.temperature} must be >= 0 (0 = greedy).")
-        if self.top_k < 0:
-            raise DraftsmithError(f"top_k={self.top_k} must be >= 0 (0 = off).")
-        if not 0 < self.top_p <= 1:
-            raise DraftsmithError(f"top_p={self.top_p} must be in (0, 1].")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from draftsmith.sampling import SamplingConfig, process_logits
 
 
 @dataclass
@@ -75,6 +60,22 @@ class Draft:
         return Draft([], [])
 
 
+class Proposer(Protocol):
+    """What drafts tokens for the decoder (eval/proposers.py); the loop never asks which kind it is."""
+
+    needs_aux: bool  # update() reads the target's EAGLE-3 features of the verified positions
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        """Forget the last prompt; the next update() follows `prompt_ids`."""
+
+    def update(self, tokens: list[int], aux: Optional[torch.Tensor]) -> None:
+        """The target emitted `tokens`; aux (T, 3H) = its features of the positions just verified."""
+
+    def propose(self, drafting: DraftingConfig, sampling: SamplingConfig,
+                generator: Optional[torch.Generator] = None) -> Draft:
+        """A draft tree (a chain: parents = -1, 0, 1, ...) after everything seen so far."""
+
+
 @dataclass
 class GenerationResult:
     tokens: list[int]  # new tokens only
@@ -83,7 +84,7 @@ class GenerationResult:
     proposed_per_position: list[int]
     prefill_s: float
     decode_s: float
-    emitted_per_verification: list[int] = field(default_factory=list)
+    emitted_per_verification: list[int] = field(default_factory=list)  # of `tokens` (cut at EOS / the cap)
 
     @property
     def tau(self) -> float:
@@ -91,21 +92,7 @@ class GenerationResult:
         return sum(self.emitted_per_verification) / max(self.n_verifications, 1)
 
 
-# ---- sampling utilities ---------------------------------------------------------------------
-
-def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """Temperature, top-k, top-p -> probabilities (..., V), in float64."""
-    x = logits.double() / sampling.temperature
-    if sampling.top_k and sampling.top_k < x.shape[-1]:
-        kth = torch.topk(x, sampling.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        cum = sorted_x.softmax(-1).cumsum(-1)
-        drop = (cum - sorted_x.softmax(-1)) >= sampling.top_p  # keep the smallest prefix reaching top_p
-        x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return x.softmax(-1)
-
+# ---- the accept rule ------------------------------------------------------------------------
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(p - q, 0)): what to sample from after a rejection (falls back to p if p == q)."""
@@ -168,7 +155,7 @@ def prefill(runner, prompt: torch.Tensor, sampling: SamplingConfig, generator, w
     runner.reset()
     positions = torch.arange(prompt.numel(), device=runner.device)
     logits, aux = runner.forward(prompt, positions, 0, logits_rows="last", want_aux=want_aux)
-    runner.length = prompt.numel()
+    runner.commit(prompt.numel())
     return _pick(logits[0], sampling, generator), aux
 
 
@@ -189,7 +176,7 @@ def verify(runner, last_token: int, draft: Draft, sampling: SamplingConfig, gene
     logits, aux = runner.forward(tokens, positions, n, attn_mask=mask, want_aux=want_aux)
     path, last = _walk(logits, draft, sampling, generator)
     runner.gather([n + 1 + i for i in path], n + 1)  # accepted K/V into place (no-op for chains)
-    runner.length = n + 1 + len(path)
+    runner.commit(n + 1 + len(path))  # the root and the accepted path
     emitted = [draft.tokens[i] for i in path] + [last]
     rows = [0] + [i + 1 for i in path]
     return emitted, path, (aux[rows] if aux is not None else None)
@@ -224,9 +211,9 @@ def _walk(logits: torch.Tensor, draft: Draft, sampling: SamplingConfig, generato
         cur = path[-1]
 
 
-def speculative_generate(target_runner, proposer, prompt_ids: torch.Tensor, max_new_tokens: int,
-                         sampling: SamplingConfig, drafting: DraftingConfig, eos_token_ids: list[int],
-                         generator: Optional[torch.Generator] = None) -> GenerationResult:
+def speculative_generate(target_runner, proposer: Optional[Proposer], prompt_ids: torch.Tensor,
+                         max_new_tokens: int, sampling: SamplingConfig, drafting: DraftingConfig,
+                         eos_token_ids: list[int], generator: Optional[torch.Generator] = None) -> GenerationResult:
     """Generate up to `max_new_tokens` after `prompt_ids` (1-D); proposer None = target-only decoding."""
     runner = target_runner
     prompt = prompt_ids.to(runner.device).long().flatten()
@@ -235,8 +222,6 @@ def speculative_generate(target_runner, proposer, prompt_ids: torch.Tensor, max_
     if prompt.numel() < 1 or prompt.numel() + max_new_tokens > runner.max_len:
         raise DraftsmithError(f"prompt ({prompt.numel()} tokens) + max_new_tokens ({max_new_tokens}) must fit "
                               f"the runner's max_len={runner.max_len}; raise max_len.")
-    if proposer is not None and getattr(proposer, "is_null", False):
-        proposer = None
     want_aux = proposer is not None and proposer.needs_aux
     if want_aux and not runner.aux_layer_ids:
         raise DraftsmithError("this proposer reads EAGLE-3 features: build the TargetRunner with aux_layer_ids "
@@ -273,12 +258,15 @@ def speculative_generate(target_runner, proposer, prompt_ids: torch.Tensor, max_
     t2 = time.perf_counter()
 
     out = _truncate(out, eos, max_new_tokens)
+    if per_ver:  # only the last verification can run past EOS / the cap
+        per_ver[-1] -= 1 + sum(per_ver) - len(out)
     return GenerationResult(tokens=out, n_verifications=n_ver, accepted_per_position=accepted,
                             proposed_per_position=proposed, prefill_s=t1 - t0, decode_s=t2 - t1,
                             emitted_per_verification=per_ver)
 
 
-def _propose(proposer, drafting: DraftingConfig, sampling: SamplingConfig, generator, room: int) -> Draft:
+def _propose(proposer: Optional[Proposer], drafting: DraftingConfig, sampling: SamplingConfig, generator,
+             room: int) -> Draft:
     if proposer is None or room < 1:
         return Draft.empty()
     draft = proposer.propose(drafting, sampling, generator)

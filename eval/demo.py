@@ -174,12 +174,12 @@ def run(cfg) -> dict:
                 mf.claim_output(out / name, stage)
     atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg).encode())
     plan = stage_overrides(cfg, s, out)
-    summary: dict = {"out": str(out), "flavour": cfg.flavour, "sizes": s, "seconds": {}, "skipped": []}
+    result: dict = {"out": str(out), "flavour": cfg.flavour, "sizes": s, "seconds": {}, "skipped": []}
     t_all = time.perf_counter()
     upstream_ran = False
     for stage, overrides in plan.items():
         if not upstream_ran and _done(out, stage, overrides):
-            summary["skipped"].append(stage)
+            result["skipped"].append(stage)
             continue
         stamp = out / f"{stage}.done.json"
         if stamp.is_file() or upstream_ran:  # finished with other settings, or its input changed: redo it
@@ -193,24 +193,23 @@ def run(cfg) -> dict:
                 overrides = overrides + ["resume=true"]
         t0 = time.perf_counter()
         result = _run_stage(stage, overrides)
-        summary["seconds"][stage] = round(time.perf_counter() - t0, 1)
+        result["seconds"][stage] = round(time.perf_counter() - t0, 1)
         if stage == "train":
-            summary["train"] = {"steps": result.get("steps"), "val": result.get("val")}
-        atomic_write_json(out / f"{stage}.done.json", {"overrides": plan[stage], "seconds": summary["seconds"][stage]})
-    summary["seconds"]["total"] = round(time.perf_counter() - t_all, 1)
-    summary["report"] = json.loads((out / "eval" / "report.json").read_text())
-    atomic_write_json(out / "demo_summary.json", {k: v for k, v in summary.items() if k != "report"})
-    print(describe(summary))
-    return summary
+            result["train"] = {"steps": result.get("steps"), "val": result.get("val")}
+        atomic_write_json(out / f"{stage}.done.json", {"overrides": plan[stage], "seconds": result["seconds"][stage]})
+    result["seconds"]["total"] = round(time.perf_counter() - t_all, 1)
+    result["report"] = json.loads((out / "eval" / "report.json").read_text())
+    atomic_write_json(out / "demo_summary.json", {k: v for k, v in result.items() if k != "report"})
+    return result
 
 
-def describe(summary: dict) -> str:
-    """The few lines the demo ends with: tau, per-position acceptance, speedup, where the report is."""
-    r = summary["report"]
+def summary(result: dict) -> str:
+    """The few lines the demo ends with (the CLI prints them): tau, per-position acceptance, speedup, the report."""
+    r = result["report"]
     acc = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
     ngram = r.get("baselines", {}).get("ngram")
     lines = [
-        f"draftsmith demo ({summary['flavour']}): EAGLE-3 head on {r['target']['target_id']}, "
+        f"draftsmith demo ({result['flavour']}): EAGLE-3 head on {r['target']['target_id']}, "
         f"{r['n_prompts']} held-out prompts, temperature {r['temperature']}, chain K={r['drafting']['num_speculative_tokens']}",
         f"  tau (tokens per target verification, bonus included): {r['tau']:.2f}",
         f"  per-position acceptance: {acc}",
@@ -219,8 +218,8 @@ def describe(summary: dict) -> str:
     ]
     if ngram:
         lines.append(f"  n-gram lookup baseline (no training): tau {ngram['tau']:.2f}, speedup {ngram['speedup']:.2f}x")
-    secs = ", ".join(f"{k} {v:.0f} s" for k, v in summary["seconds"].items())
-    skipped = f" (skipped, already complete: {', '.join(summary['skipped'])})" if summary["skipped"] else ""
+    secs = ", ".join(f"{k} {v:.0f} s" for k, v in result["seconds"].items())
+    skipped = f" (skipped, already complete: {', '.join(result['skipped'])})" if result["skipped"] else ""
     lines.append(f"  time: {secs}{skipped}")
-    lines.append(f"  report: {Path(summary['out']) / 'eval' / 'report.md'}")
+    lines.append(f"  report: {Path(result['out']) / 'eval' / 'report.md'}")
     return "\n".join(lines)

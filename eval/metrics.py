@@ -3,12 +3,14 @@
 Conventions (stated in every report, see CONVENTIONS):
   tau = tokens emitted / target verifications, the bonus token included (EAGLE / Spec-Bench);
   per-position acceptance[i] = drafts accepted at draft position i / drafts proposed there;
+  accepted-length histogram = {tokens emitted by a verification: how many verifications emitted that many};
   speedup = speculative tokens/s / target-only tokens/s, same target, prompts and decoder code.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
@@ -17,6 +19,7 @@ CONVENTIONS = (
     "(EAGLE / Spec-Bench convention; target-only decoding has tau = 1; the prefill and its first token "
     "are not counted). "
     "Per-position acceptance[i] = drafts accepted at draft position i / drafts proposed at position i. "
+    "Accepted-length histogram = {tokens emitted by one verification, bonus included: number of verifications}. "
     "Speedup = speculative tokens/s / target-only tokens/s (> 1 is faster), with the same target, the same "
     "prompts and the same decoder code (target-only = the decoder with no proposer). "
     "Tokens/s = new tokens / wall seconds of prefill + decode. "
@@ -68,12 +71,27 @@ class Sample:
     seconds: float
     accepted: list[int] = field(default_factory=list)
     proposed: list[int] = field(default_factory=list)
-    emitted: Optional[int] = None  # tokens emitted by the verifications (tau counts these); None = new_tokens - 1
+    # tokens each verification emitted, bonus included (tau counts them); None = one each (target-only)
+    emitted_per_verification: Optional[list[int]] = None
     identical: Optional[bool] = None  # greedy: same tokens as target-only decoding
 
     @property
     def emitted_tokens(self) -> int:
-        return self.emitted if self.emitted is not None else max(self.new_tokens - 1, 0)
+        if self.emitted_per_verification is None:
+            return max(self.new_tokens - 1, 0)
+        return sum(self.emitted_per_verification)
+
+    def emitted_counts(self) -> Counter:
+        """tokens emitted by a verification -> how many of this sample's verifications emitted that many."""
+        if self.emitted_per_verification is None:
+            return Counter({1: self.verifications} if self.verifications else {})
+        return Counter(self.emitted_per_verification)
+
+
+def histogram(samples: Sequence[Sample]) -> dict[str, int]:
+    """The accepted-length histogram {"n": verifications that emitted n tokens}, n ascending (JSON keys)."""
+    total = sum((s.emitted_counts() for s in samples), Counter())
+    return {str(n): total[n] for n in sorted(total)}
 
 
 def aggregate(samples: Sequence[Sample]) -> dict:
@@ -94,6 +112,7 @@ def aggregate(samples: Sequence[Sample]) -> dict:
         "accepted_per_position": accepted,
         "proposed_per_position": proposed,
         "per_position_acceptance": per_position_acceptance(accepted, proposed),
+        "accepted_length_histogram": histogram(samples),
     }
 
 
@@ -110,6 +129,7 @@ def compare(speculative: Sequence[Sample], target_only: Sequence[Sample]) -> dic
         "per_position_acceptance": spec["per_position_acceptance"],
         "accepted_per_position": spec["accepted_per_position"],
         "proposed_per_position": spec["proposed_per_position"],
+        "accepted_length_histogram": spec["accepted_length_histogram"],
     }
 
 

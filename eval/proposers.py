@@ -1,54 +1,42 @@
-"""Proposers: what drafts tokens for the decoder. One small interface, so the loop never branches:
+"""Proposers: what drafts tokens for the decoder. Each implements `Proposer` (eval/decoder.py):
 
     reset(prompt_ids)            forget the last prompt
     update(tokens, aux)          the target emitted `tokens`; aux = its EAGLE-3 features (T, 3H) of the
                                  positions just verified and accepted (the prompt after prefill)
     propose(drafting, sampling, generator) -> Draft (target ids, parents, q or None = one-hot)
 
+Target-only decoding has no proposer (None). The n-gram proposer is eval's own (no training); the
+model proposers are built by the method table (draftsmith.methods: `entry.proposer(drafter, V, max_len)`).
+
 Model proposers (EAGLE-3, draft model) share one chain/tree builder: chain = top-1 (greedy) or one
 sample from q per depth; tree = top-k children of the best `tree_top_k` frontier nodes per depth,
 ranked by cumulative draft log-prob, until `tree_budget` nodes. Tree drafts are deterministic, so
-their q is one-hot (None); sampled chains carry the exact q they were drawn from.
+their q is one-hot (None); sampled chains carry the exact q they were drawn from. A model proposer's
+own KV cache holds `max_len` slots (prompt + answer + one tree), and each step attends only to the
+slots in use.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.eval.decoder import Draft, DraftingConfig, SamplingConfig, process_logits
+from draftsmith.eval.decoder import Draft, DraftingConfig
 from draftsmith.eval.target_runner import TargetRunner
 from draftsmith.heads.eagle3 import StaticKVCache
+from draftsmith.sampling import SamplingConfig, process_logits
 
 
-class Proposer:
-    """The interface; also the "none" proposer (target-only decoding)."""
+class NgramProposer:
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens (n = ngram_max..ngram_min)
+    and copy what followed it. Always a chain (tree mode drafts the same chain), q one-hot."""
 
     needs_aux = False
-    is_null = True
 
-    def reset(self, prompt_ids: list[int]) -> None:
-        pass
-
-    def update(self, tokens: list[int], aux: Optional[torch.Tensor]) -> None:
-        pass
-
-    def propose(self, drafting: DraftingConfig, sampling: SamplingConfig, generator=None) -> Draft:
-        return Draft.empty()
-
-
-class NgramProposer(Proposer):
-    """Prompt lookup: find the latest earlier occurrence of the last n tokens (n = max..min) and copy
-    what followed it. Always a chain (tree mode drafts the same chain), q one-hot."""
-
-    is_null = False
-
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        if not 1 <= min_ngram <= max_ngram:
-            raise DraftsmithError(f"ngram: need 1 <= min_ngram ({min_ngram}) <= max_ngram ({max_ngram}).")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+    def __init__(self, ngram_max: int, ngram_min: int):
+        if not 1 <= ngram_min <= ngram_max:
+            raise DraftsmithError(f"ngram: need 1 <= ngram_min ({ngram_min}) <= ngram_max ({ngram_max}).")
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
         self.seq: list[int] = []
 
     def reset(self, prompt_ids):
@@ -57,9 +45,9 @@ class NgramProposer(Proposer):
     def update(self, tokens, aux):
         self.seq.extend(tokens)
 
-    def propose(self, drafting, sampling, generator=None):
+    def propose(self, drafting: DraftingConfig, sampling: SamplingConfig, generator=None) -> Draft:
         k, seq = drafting.num_speculative_tokens, self.seq
-        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+        for n in range(min(self.ngram_max, len(seq) - 1), self.ngram_min - 1, -1):
             pattern = seq[-n:]
             for j in range(len(seq) - n - 1, -1, -1):  # latest match first, never the suffix itself
                 if seq[j:j + n] == pattern:
@@ -68,45 +56,49 @@ class NgramProposer(Proposer):
         return Draft.empty()
 
 
-class _ModelProposer(Proposer):
-    """Chain/tree building on top of three hooks: `_root_logits`, `_expand`, `_to_target`/`_q_target`."""
+class _ModelProposer:
+    """Chain/tree building on top of hooks: `_root_logits` (set by update), `_expand`, `_to_target`, `_q_target`.
 
-    is_null = False
+    Vo below is the drafter's own vocabulary (EAGLE-3: its draft vocab; a draft model: the target's).
+    """
 
-    def propose(self, drafting, sampling, generator=None):
+    needs_aux = False
+
+    def propose(self, drafting: DraftingConfig, sampling: SamplingConfig, generator=None) -> Draft:
         chain = drafting.mode == "chain"
-        k = 1 if chain else drafting.tree_top_k
-        budget = drafting.num_speculative_tokens if chain else drafting.tree_budget
-        sample = chain and not sampling.greedy
-        tokens, parents, qs = [], [], []
-        self._anc: list[list[int]] = []
-        frontier, fscore = [-1], torch.zeros(1, dtype=torch.float64)
-        logits = self._root_logits[None]  # (1, Vo)
+        k = 1 if chain else drafting.tree_top_k  # children drafted per depth
+        budget = drafting.num_speculative_tokens if chain else drafting.tree_budget  # nodes in all
+        sample = chain and not sampling.greedy  # one child x ~ q per depth; else the best-scoring children
+        tokens, parents, qs = [], [], []  # per node: target id, parent node (-1 = root), q over the target vocab
+        self._anc: list[list[int]] = []  # per node: its ancestors' indices and its own, root first
+        frontier = [-1]  # the m nodes whose children this depth drafts (-1 = the root)
+        fscore = torch.zeros(1, dtype=torch.float64)  # (m,) their cumulative draft log-probs
+        logits = self._root_logits[None]  # (m, Vo): row i drafts the children of frontier[i]
         for depth in range(1, drafting.num_speculative_tokens + 1):
             if sample:
-                probs = process_logits(logits[0], sampling)
-                own = torch.multinomial(probs.float(), 1, generator=generator)
+                probs = process_logits(logits[0], sampling)  # (Vo,)
+                own = torch.multinomial(probs.float(), 1, generator=generator)  # (1,) own-vocab id
                 par, score, qs = [frontier[0]], fscore, qs + [self._q_target(probs)]
             else:
                 lp = logits.double().log_softmax(-1)  # (m, Vo)
-                top = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
-                cand = (fscore[:, None] + top.values).flatten()
-                best = torch.topk(cand, min(k, budget - len(tokens), cand.numel())).indices
-                own = top.indices.flatten()[best]
-                par = [frontier[i] for i in (best // top.values.shape[1]).tolist()]
-                score = cand[best]
-            new = list(range(len(tokens), len(tokens) + len(par)))
+                top = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)  # (m, k') each frontier node's best children
+                cand = (fscore[:, None] + top.values).flatten()  # (m*k',) cumulative score; child j of row i at i*k'+j
+                best = torch.topk(cand, min(k, budget - len(tokens), cand.numel())).indices  # (n,) the kept children
+                own = top.indices.flatten()[best]  # (n,) their own-vocab ids
+                par = [frontier[i] for i in (best // top.values.shape[1]).tolist()]  # flat index // k' = its row
+                score = cand[best]  # (n,)
+            new = list(range(len(tokens), len(tokens) + len(par)))  # this depth's node indices
             tokens += self._to_target(own).tolist()
             parents += par
             self._anc += [(self._anc[p] if p >= 0 else []) + [i] for i, p in zip(new, par)]
             if len(tokens) >= budget or depth == drafting.num_speculative_tokens:
                 break
-            logits = self._expand(new, tokens, parents, depth)
+            logits = self._expand(new, tokens, parents, depth)  # (n, Vo): the drafter run on the new nodes
             frontier, fscore = new, score
         return Draft(tokens, parents, torch.stack(qs) if qs else None)
 
     def _tree_mask(self, nodes: list[int], prefix: int, width: int, device) -> torch.Tensor:
-        """(m, width) bool: each node sees the committed prefix [0, prefix) and its ancestors' slots."""
+        """(m, width) bool: each node sees the committed prefix [0, prefix) and its ancestors' slots (prefix + i)."""
         mask = torch.zeros(len(nodes), width, dtype=torch.bool, device=device)
         mask[:, :prefix] = True
         for r, i in enumerate(nodes):
@@ -116,11 +108,14 @@ class _ModelProposer(Proposer):
 
 class Eagle3Proposer(_ModelProposer):
     """EAGLE-3: step 0 reads fused target features of accepted positions; deeper steps feed the
-    head's own pre-norm outputs. Entry j (position j) consumes (h_j, x_{j+1}) and predicts x_{j+2}."""
+    head's own pre-norm outputs. Entry j (position j) consumes (h_j, x_{j+1}) and predicts x_{j+2}.
+
+    Cache slots: entry j at slot j (j < n_entries, the committed step-0 entries); draft node i at
+    slot n_entries + i."""
 
     needs_aux = True
 
-    def __init__(self, head, target_vocab_size: int, max_len: int = 2048):
+    def __init__(self, head, target_vocab_size: int, max_len: int):
         cfg = head.config
         if cfg.vocab_size != target_vocab_size:
             raise DraftsmithError(f"EAGLE-3 head was built for a vocab of {cfg.vocab_size}, the target has "
@@ -143,10 +138,11 @@ class Eagle3Proposer(_ModelProposer):
         self.seq.extend(tokens)
         T = aux.shape[0]
         start = len(self.seq) - 1 - T  # aux rows are positions [start, len(seq)-1)
+        self._check_room(start + T)
         pos = torch.arange(start, start + T, device=self.device)
         ids = torch.tensor(self.seq[start + 1:], device=self.device)[None]  # (1, T)
-        slots = torch.arange(self.max_len, device=self.device)
-        mask = (slots[None, :] <= pos[:, None])[None, None]  # (1, 1, T, S) causal over the cache
+        slots = torch.arange(start + T, device=self.device)  # the slots in use after this step
+        mask = (slots[None, :] <= pos[:, None])[None, None]  # (1, 1, T, start+T) causal over them
         h, logits = self.head(ids, self.head.fuse(aux[None].to(self.device)), pos[None], mask, self.cache, pos)
         self.n_entries = start + T
         self._root_logits, self._root_h = logits[0, -1], h[0, -1]  # entry n-1: predicts x_{n+1}
@@ -155,16 +151,20 @@ class Eagle3Proposer(_ModelProposer):
     @torch.inference_mode()
     def _expand(self, nodes, tokens, parents, depth):
         base = self.n_entries
-        if base + nodes[-1] + 1 > self.max_len:
-            raise DraftsmithError(f"EAGLE-3 proposer cache is full (max_len={self.max_len}); raise max_len.")
+        width = base + nodes[-1] + 1  # slots in use: the entries and draft nodes 0..nodes[-1]
+        self._check_room(width)
         hidden = torch.stack([self._h_nodes[parents[i]] if parents[i] >= 0 else self._root_h for i in nodes])[None]
-        ids = torch.tensor([tokens[i] for i in nodes], device=self.device)[None]
-        pos = torch.full((1, len(nodes)), base - 1 + depth, device=self.device)
+        ids = torch.tensor([tokens[i] for i in nodes], device=self.device)[None]  # (1, n)
+        pos = torch.full((1, len(nodes)), base - 1 + depth, device=self.device)  # a depth-d node sits d past entry n-1
         slots = torch.tensor([base + i for i in nodes], device=self.device)
-        mask = self._tree_mask(nodes, base, self.max_len, self.device)[None, None]
+        mask = self._tree_mask(nodes, base, width, self.device)[None, None]  # (1, 1, n, width)
         h, logits = self.head(ids, hidden, pos, mask, self.cache, slots)
         self._h_nodes.update({i: h[0, r] for r, i in enumerate(nodes)})
         return logits[0]
+
+    def _check_room(self, width: int) -> None:
+        if width > self.max_len:
+            raise DraftsmithError(f"EAGLE-3 proposer cache is full (max_len={self.max_len}); raise max_len.")
 
     def _to_target(self, own_ids):
         return self.head.draft_to_target(own_ids)
@@ -177,7 +177,7 @@ class Eagle3Proposer(_ModelProposer):
 class DraftModelProposer(_ModelProposer):
     """A small HF causal LM sharing the tokenizer, with its own static cache (a TargetRunner)."""
 
-    def __init__(self, model, target_vocab_size: int, max_len: int = 2048):
+    def __init__(self, model, target_vocab_size: int, max_len: int):
         self.runner = TargetRunner(model, max_len, None)
         self.V = target_vocab_size
         self.seq: list[int] = []
@@ -198,7 +198,7 @@ class DraftModelProposer(_ModelProposer):
         new = torch.tensor(self.seq[start:], device=self.runner.device)
         pos = torch.arange(start, len(self.seq), device=self.runner.device)
         logits, _ = self.runner.forward(new, pos, start, logits_rows="last")
-        self.runner.length = len(self.seq)  # slots [0, len(seq)) hold seq
+        self.runner.commit(len(self.seq))  # slots [0, len(seq)) hold seq
         self._root_logits = self._fit(logits[0])
         self._chain_fed = []
 
@@ -227,31 +227,3 @@ class DraftModelProposer(_ModelProposer):
 
     def _q_target(self, probs):
         return probs
-
-
-def make_proposer(kind: str, target, **kw) -> Proposer:
-    """kind: "eagle3" (head=Eagle3Head), "draft_model" (model=HF causal LM), "ngram" (max_ngram=3), "none".
-
-    `target` is a Target, a TargetRunner or an HF model (only its vocab size is read). Model proposers
-    take max_len=4096: their cache must hold prompt + new tokens + one tree.
-    """
-    vocab = _vocab_size(target)
-    if kind == "none":
-        return Proposer()
-    if kind == "ngram":
-        return NgramProposer(**kw)
-    if kind == "eagle3":
-        if "head" not in kw:
-            raise DraftsmithError("make_proposer('eagle3') needs head=<Eagle3Head>.")
-        return Eagle3Proposer(kw["head"], vocab, kw.get("max_len", 4096))
-    if kind == "draft_model":
-        if "model" not in kw:
-            raise DraftsmithError("make_proposer('draft_model') needs model=<HF causal LM>.")
-        return DraftModelProposer(kw["model"], vocab, kw.get("max_len", 4096))
-    raise DraftsmithError(f"proposer kind {kind!r} is not one of eagle3, draft_model, ngram, none.")
-
-
-def _vocab_size(target) -> int:
-    if hasattr(target, "vocab_size"):
-        return int(target.vocab_size)
-    return int(target.config.vocab_size)

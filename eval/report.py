@@ -81,6 +81,12 @@ def markdown(report: dict) -> str:
                   "| position | " + " | ".join(str(i + 1) for i in range(len(acc))) + " |",
                   "|---|" + "---:|" * len(acc),
                   "| accepted / proposed | " + " | ".join(_f(a, 3) for a in acc) + " |"]
+    hist = report.get("accepted_length_histogram") or {}
+    if hist:
+        lines += ["", "## Accepted length (tokens emitted per verification, bonus included)", "",
+                  "| tokens emitted | " + " | ".join(hist) + " |",
+                  "|---|" + "---:|" * len(hist),
+                  "| verifications | " + " | ".join(str(c) for c in hist.values()) + " |"]
     lines += ["", "## Conventions", "", report["conventions"], ""]
     return "\n".join(lines)
 

@@ -7,11 +7,15 @@ Both rows come from the same decoder code (`speculative_generate`; target-only =
 on the same prompts, after a warm-up; each prompt's time is the median of `repeats` runs. With a
 multi-turn prompt each method answers turn 2 after its own turn-1 answer. Writes into `out/`:
 report.json, report.md, report.png, config.yaml and manifest.json.
+
+    run = prepare -> load_drafter -> method_proposers -> warm_up -> decode_all -> build_report -> write_outputs
+
+A head folder is read by the method its config.json names (draftsmith.methods); `ngram` and `none`
+are eval's own. The CLI prints `summary(report)`.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,13 +29,14 @@ from draftsmith.data_gen import manifest as mf
 from draftsmith.data_gen.target import Target, load_target
 from draftsmith.eval import metrics
 from draftsmith.eval.config import build_settings
-from draftsmith.eval.decoder import DraftingConfig, GenerationResult, SamplingConfig, speculative_generate
+from draftsmith.eval.decoder import DraftingConfig, GenerationResult, Proposer, speculative_generate
 from draftsmith.eval.prompts import EvalPrompt, load_prompts, render
 from draftsmith.eval.report import hardware, software_versions, summary_lines, write_report
+from draftsmith.eval.target_runner import TargetRunner
+from draftsmith.sampling import SamplingConfig
 
-EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
-SPECULATORS_ARCHITECTURES = ("Eagle3DraftModel",)
 TARGET_ONLY = "target_only"
+BUILT_IN = ("ngram", "none")  # eval's own `head=` options, no trained drafter
 
 
 # --------------------------------------------------------------------------- the drafter
@@ -40,10 +45,10 @@ TARGET_ONLY = "target_only"
 class Drafter:
     """What `head=` named: a method name, how to build a fresh proposer, and what the report says of it."""
 
-    method: str  # eagle3 | draft_model | ngram | none
-    make: Optional[Callable[[], object]]  # builds the proposer; None = target-only
+    method: str  # a method's name (draftsmith.methods: eagle3, draft_model, ...), ngram or none
+    make: Optional[Callable[[], Proposer]]  # builds the proposer; None = target-only
     info: dict = field(default_factory=dict)
-    model: Optional[torch.nn.Module] = None  # draft_model: the HF LM (for the hf_assisted baseline)
+    model: Optional[torch.nn.Module] = None  # the loaded drafter (a transformers model can be hf_assisted's)
 
 
 def find_head_folder(path: Path) -> Path:
@@ -56,7 +61,9 @@ def find_head_folder(path: Path) -> Path:
 
 
 def check_head_target(folder: Path, config: dict, target: Target) -> None:
-    """Refuse a head made for another target: its manifest's identity, else its config's sizes."""
+    """Refuse a head made for another target: its manifest's identity, else its config's vocab size.
+
+    (A method's own size checks, such as an EAGLE-3 head's target hidden size, are in its `load`.)"""
     where = f"head {folder}"
     manifest_dir = next((d for d in (folder, folder.parent) if (d / mf.MANIFEST).is_file()), None)
     if manifest_dir is not None:
@@ -67,58 +74,44 @@ def check_head_target(folder: Path, config: dict, target: Target) -> None:
     if vocab is not None and vocab != target.vocab_size:
         raise DraftsmithError(f"{where} has vocab_size={vocab}, but target {target.target_id!r} has "
                               f"{target.vocab_size}: it was made for another target.")
-    hidden = config.get("target_hidden_size") or config.get("hidden_size")
-    if config.get("architectures", [None])[0] in EAGLE3_ARCHITECTURES and hidden != target.hidden_size:
-        raise DraftsmithError(f"{where} reads target hidden size {hidden}, but target {target.target_id!r} has "
-                              f"{target.hidden_size}: it was made for another target.")
 
 
 def load_drafter(cfg, target: Target, max_len: int) -> Drafter:
-    """Resolve `head=`: none | ngram | an EAGLE-3 folder | an HF draft-model folder."""
-    from draftsmith.eval.proposers import make_proposer
+    """Resolve `head=`: none | ngram | a folder, loaded by the method its config.json names (draftsmith.methods)."""
+    from draftsmith.heads.checkpoint import weights_sha256
+    from draftsmith.methods import method_for_folder, read_folder_config
 
     head = str(cfg.head)
     if head == "none":
         return Drafter("none", None, {"kind": "none"})
     if head == "ngram":
-        return Drafter("ngram", lambda: make_proposer("ngram", target, **ngram_kwargs(cfg)),
+        return Drafter("ngram", lambda: ngram_proposer(cfg),
                        {"kind": "ngram", "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max})
     path = Path(head)
     if not path.is_dir():
         raise DraftsmithError(f"head={head!r} is neither `ngram`, `none` nor a folder.")
     folder = find_head_folder(path)
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise DraftsmithError(f"{folder / 'config.json'} is not valid JSON (line {e.lineno}).") from None
-    arch = (config.get("architectures") or [None])[0]
-    if arch in SPECULATORS_ARCHITECTURES:
-        raise DraftsmithError(f"head {folder} is in the speculators format; evaluate the EAGLE-3 folder "
-                              f"(format=vllm export or the training checkpoint) instead.")
+    config = read_folder_config(folder)
+    entry = method_for_folder(folder, config)  # refuses a format that only another tool reads
     check_head_target(folder, config, target)
-    if arch in EAGLE3_ARCHITECTURES:
-        from draftsmith.heads.checkpoint import load_eagle3, weights_sha256
-
-        model = load_eagle3(folder, device=target.device, dtype=target.dtype,
-                            target_embeddings=target.model.get_input_embeddings()).eval()
-        return Drafter("eagle3", lambda: make_proposer("eagle3", target, head=model, max_len=max_len),
-                       {"kind": "eagle3", "path": str(folder), "draft_vocab_size": model.config.draft_vocab_size,
-                        "sha256": weights_sha256(folder)})  # publish matches the head it publishes by this
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()
-    return Drafter("draft_model", lambda: make_proposer("draft_model", target, model=model, max_len=max_len),
-                   {"kind": "draft_model", "path": str(folder), "architecture": arch,
-                    "num_layers": model.config.num_hidden_layers}, model=model)
+    model = entry.load(folder, target).eval()
+    info = {"kind": entry.name, "path": str(folder), "architecture": (config.get("architectures") or [None])[0],
+            "num_layers": config.get("num_hidden_layers"),
+            "draft_vocab_size": config.get("draft_vocab_size") or config.get("vocab_size"),
+            # publish matches the head it publishes by this
+            "sha256": weights_sha256(folder) if (folder / "model.safetensors").is_file() else None}
+    return Drafter(entry.name, lambda: entry.proposer(model, target.vocab_size, max_len), info, model)
 
 
-def ngram_kwargs(cfg) -> dict:
-    return {"max_ngram": cfg.ngram_max, "min_ngram": cfg.ngram_min}
+def ngram_proposer(cfg) -> Proposer:
+    from draftsmith.eval.proposers import NgramProposer
+
+    return NgramProposer(cfg.ngram_max, cfg.ngram_min)
 
 
 # --------------------------------------------------------------------------- decoding
 
-def decode_conversation(runner, proposer, tokenizer, prompt: EvalPrompt,
+def decode_conversation(runner, proposer: Optional[Proposer], tokenizer, prompt: EvalPrompt,
                         max_new_tokens: int, sampling: SamplingConfig, drafting: DraftingConfig,
                         eos: list[int], seed: int) -> list[GenerationResult]:
     """Answer every turn of a prompt, each after the method's own previous answers; one result per turn."""
@@ -140,7 +133,7 @@ def to_sample(category: str, runs: list[GenerationResult]) -> metrics.Sample:
         category=category, new_tokens=len(r.tokens), verifications=r.n_verifications,
         seconds=metrics.median([x.prefill_s + x.decode_s for x in runs]),
         accepted=list(r.accepted_per_position), proposed=list(r.proposed_per_position),
-        emitted=min(sum(r.emitted_per_verification), len(r.tokens) - 1) if r.emitted_per_verification else None)
+        emitted_per_verification=list(r.emitted_per_verification))
 
 
 def hf_generate_sample(model, tokenizer, prompt: EvalPrompt, cfg, eos: list[int], assistant=None) -> list[metrics.Sample]:
@@ -175,99 +168,145 @@ def runner_max_len(cfg, tokenizer, prompts: list[EvalPrompt], drafting: Drafting
 
 # --------------------------------------------------------------------------- the stage
 
+@dataclass
+class Setup:
+    """What every step of a run reads: the config, the decoder's settings, out folder, prompts, target."""
+
+    cfg: object
+    sampling: SamplingConfig
+    drafting: DraftingConfig
+    out: Path
+    prompts: list[EvalPrompt]
+    target: Target
+    runner: TargetRunner  # the target with its static KV cache, shared by every method
+
+    def decode(self, proposer: Optional[Proposer], prompt: EvalPrompt) -> list[GenerationResult]:
+        return decode_conversation(self.runner, proposer, self.target.tokenizer, prompt, self.cfg.max_new_tokens,
+                                   self.sampling, self.drafting, self.target.eos_token_ids, self.cfg.seed)
+
+
 def run(cfg) -> dict:
     """Evaluate `cfg.head` on `cfg.prompts`; returns the report (also written under cfg.out)."""
-    from draftsmith.progress import progress
-
-    from draftsmith.eval.target_runner import TargetRunner
-
-    sampling, drafting = build_settings(cfg)
-    head_path = None if str(cfg.head) in ("ngram", "none") else cfg.head
-    out = mf.prepare_output(cfg.out, "eval", [("head", head_path), ("prompts.path", cfg.prompts.path),
-                                              ("target", cfg.target.name)],
-                            overwrite=bool(getattr(cfg, "overwrite", False)))  # before any decoding
-    prompts = load_prompts(cfg.prompts)
-    target = load_target(cfg.target)
-    tok, eos = target.tokenizer, target.eos_token_ids
-    max_len = runner_max_len(cfg, tok, prompts, drafting)
-    drafter = load_drafter(cfg, target, max_len)
-    if "hf_assisted" in cfg.baselines and drafter.model is None:
-        raise DraftsmithError("baselines=[hf_assisted] needs a draft-model head (an HF causal-LM folder).")
-    runner = TargetRunner(target.model, max_len, target.aux_layer_ids)
-
-    # method -> its proposer (built once; the decoder resets it for every prompt)
-    methods: dict[str, object] = {TARGET_ONLY: None}
-    if drafter.make is not None:
-        methods[drafter.method] = drafter.make()
-    if "ngram" in cfg.baselines and drafter.method != "ngram":
-        from draftsmith.eval.proposers import make_proposer
-
-        methods["ngram"] = make_proposer("ngram", target, **ngram_kwargs(cfg))
-
-    def decode(proposer, prompt):
-        return decode_conversation(runner, proposer, tok, prompt, cfg.max_new_tokens, sampling, drafting, eos,
-                                   cfg.seed)
-
+    setup = prepare(cfg)
+    drafter = load_drafter(cfg, setup.target, setup.runner.max_len)
+    proposers = method_proposers(cfg, drafter)
     t0 = time.perf_counter()
-    for prompt in prompts[: cfg.warmup_prompts]:  # warm-up: every code path once, nothing recorded
-        for proposer in methods.values():
-            decode(proposer, EvalPrompt(prompt.id, prompt.category, prompt.turns[:1], prompt.system))
-
-    samples: dict[str, list[metrics.Sample]] = {m: [] for m in methods}
-    hf_samples: dict[str, list[metrics.Sample]] = {b: [] for b in cfg.baselines if b.startswith("hf_")}
-    for prompt in progress(prompts, desc=f"eval {drafter.method}", unit="prompt", enabled=cfg.progress):
-        runs = {m: [] for m in methods}
-        for _ in range(cfg.repeats):  # methods interleaved, so drift in machine speed hits all alike
-            for m, proposer in methods.items():
-                runs[m].append(decode(proposer, prompt))
-        for m in methods:
-            for turn in range(len(prompt.turns)):
-                s = to_sample(prompt.category, [rep[turn] for rep in runs[m]])
-                if sampling.greedy and m != TARGET_ONLY:
-                    s.identical = runs[m][0][turn].tokens == runs[TARGET_ONLY][0][turn].tokens
-                samples[m].append(s)
-        if "hf_generate" in hf_samples:
-            hf_samples["hf_generate"] += hf_generate_sample(target.model, tok, prompt, cfg, eos)
-        if "hf_assisted" in hf_samples:
-            hf_samples["hf_assisted"] += hf_generate_sample(target.model, tok, prompt, cfg, eos, drafter.model)
-
-    main = drafter.method if drafter.make is not None else TARGET_ONLY
-    report = build_report(cfg, target, drafter, prompts, samples, hf_samples, main, sampling, drafting)
+    warm_up(setup, proposers)
+    samples, hf_samples = decode_all(setup, proposers, drafter)
+    report = build_report(setup, drafter, samples, hf_samples)
     report["wall_s"] = round(time.perf_counter() - t0, 2)
-    mf.claim_output(out, "eval")
-    mf.atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg).encode())
-    report["files"] = write_report(out, report, plot=cfg.plot)
-    mf.write_manifest(out, stage="eval", target=target.identity(),
-                      counts={"prompts": len(prompts), "samples": report["n_samples"]},
-                      complete=True, method=drafter.method, head=str(cfg.head))
-    if cfg.progress:
-        print(summary_lines(report))
+    write_outputs(setup, drafter, report)
     return report
 
 
-def build_report(cfg, target: Target, drafter: Drafter, prompts, samples, hf_samples, main: str,
-                 sampling: SamplingConfig, drafting: DraftingConfig) -> dict:
-    """The report.json dict: settings, overall and per-category figures, baselines, environment."""
-    base = samples[TARGET_ONLY]
-    overall = metrics.compare(samples[main], base)
-    base_tps = overall["target_only_tokens_per_s"]
-    baselines = {}
+def summary(report: dict) -> str:
+    """The lines the CLI prints after `run` (stages return data; only the CLI prints)."""
+    return summary_lines(report)
+
+
+def prepare(cfg) -> Setup:
+    """Check the settings and `out` (before any work), read the prompts, load the target and its runner."""
+    sampling, drafting = build_settings(cfg)
+    head_path = None if str(cfg.head) in BUILT_IN else cfg.head
+    out = mf.prepare_output(cfg.out, "eval", [("head", head_path), ("prompts.path", cfg.prompts.path),
+                                              ("target", cfg.target.name)],
+                            overwrite=bool(getattr(cfg, "overwrite", False)))
+    prompts = load_prompts(cfg.prompts)
+    target = load_target(cfg.target)
+    max_len = runner_max_len(cfg, target.tokenizer, prompts, drafting)
+    return Setup(cfg, sampling, drafting, out, prompts, target, TargetRunner(target.model, max_len, target.aux_layer_ids))
+
+
+def method_proposers(cfg, drafter: Drafter) -> dict[str, Optional[Proposer]]:
+    """method -> its proposer, built once (the decoder resets it for every prompt); target-only is None."""
+    from transformers import PreTrainedModel
+
+    if "hf_assisted" in cfg.baselines and not isinstance(drafter.model, PreTrainedModel):
+        raise DraftsmithError("baselines=[hf_assisted] needs a head that transformers can assist with (an HF "
+                              "causal-LM folder).")
+    proposers: dict[str, Optional[Proposer]] = {TARGET_ONLY: None}
+    if drafter.make is not None:
+        proposers[drafter.method] = drafter.make()
+    if "ngram" in cfg.baselines and drafter.method != "ngram":
+        proposers["ngram"] = ngram_proposer(cfg)
+    return proposers
+
+
+def warm_up(setup: Setup, proposers: dict[str, Optional[Proposer]]) -> None:
+    """Every code path once, nothing recorded: the first turn of the first `warmup_prompts` prompts."""
+    for prompt in setup.prompts[: setup.cfg.warmup_prompts]:
+        for proposer in proposers.values():
+            setup.decode(proposer, EvalPrompt(prompt.id, prompt.category, prompt.turns[:1], prompt.system))
+
+
+def decode_all(setup: Setup, proposers: dict[str, Optional[Proposer]], drafter: Drafter
+               ) -> tuple[dict[str, list[metrics.Sample]], dict[str, list[metrics.Sample]]]:
+    """Every prompt by every method, `repeats` times; (method -> samples, hf baseline -> samples)."""
+    from draftsmith.progress import progress
+
+    cfg, model, tok, eos = setup.cfg, setup.target.model, setup.target.tokenizer, setup.target.eos_token_ids
+    samples: dict[str, list[metrics.Sample]] = {m: [] for m in proposers}
+    hf_samples: dict[str, list[metrics.Sample]] = {b: [] for b in cfg.baselines if b.startswith("hf_")}
+    for prompt in progress(setup.prompts, desc=f"eval {drafter.method}", unit="prompt", enabled=cfg.progress):
+        runs = {m: [] for m in proposers}
+        for _ in range(cfg.repeats):  # methods interleaved, so drift in machine speed hits all alike
+            for m, proposer in proposers.items():
+                runs[m].append(setup.decode(proposer, prompt))
+        for m in proposers:
+            for turn in range(len(prompt.turns)):
+                s = to_sample(prompt.category, [rep[turn] for rep in runs[m]])
+                if setup.sampling.greedy and m != TARGET_ONLY:
+                    s.identical = runs[m][0][turn].tokens == runs[TARGET_ONLY][0][turn].tokens
+                samples[m].append(s)
+        if "hf_generate" in hf_samples:
+            hf_samples["hf_generate"] += hf_generate_sample(model, tok, prompt, cfg, eos)
+        if "hf_assisted" in hf_samples:
+            hf_samples["hf_assisted"] += hf_generate_sample(model, tok, prompt, cfg, eos, drafter.model)
+    return samples, hf_samples
+
+
+def write_outputs(setup: Setup, drafter: Drafter, report: dict) -> None:
+    """report.json / .md / .png, config.yaml and manifest.json into `out` (now claimed as eval's)."""
+    out, cfg = setup.out, setup.cfg
+    mf.claim_output(out, "eval")
+    mf.atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg).encode())
+    report["files"] = write_report(out, report, plot=cfg.plot)
+    mf.write_manifest(out, stage="eval", target=setup.target.identity(),
+                      counts={"prompts": len(setup.prompts), "samples": report["n_samples"]},
+                      complete=True, method=drafter.method, head=str(cfg.head))
+
+
+def baseline_rows(samples: dict[str, list[metrics.Sample]], hf_samples: dict[str, list[metrics.Sample]],
+                  main: str, base_tps: float) -> dict[str, dict]:
+    """The report's `baselines`: every other method of our decoder, then transformers' generate."""
+    rows = {}
     for m, ss in samples.items():
         if m not in (main, TARGET_ONLY):
             agg = metrics.aggregate(ss)
-            baselines[m] = {"tau": agg["tau"], "tokens_per_s": agg["tokens_per_s"],
-                            "speedup": metrics.speedup(agg["tokens_per_s"], base_tps),
-                            "per_position_acceptance": agg["per_position_acceptance"]}
+            rows[m] = {"tau": agg["tau"], "tokens_per_s": agg["tokens_per_s"],
+                       "speedup": metrics.speedup(agg["tokens_per_s"], base_tps),
+                       "per_position_acceptance": agg["per_position_acceptance"],
+                       "accepted_length_histogram": agg["accepted_length_histogram"]}
     for b, ss in hf_samples.items():
         agg = metrics.aggregate(ss)
-        baselines[b] = {"tau": None, "tokens_per_s": agg["tokens_per_s"], "new_tokens": agg["new_tokens"],
-                        "speedup": metrics.speedup(agg["tokens_per_s"], base_tps), "turns": "first turn only"}
+        rows[b] = {"tau": None, "tokens_per_s": agg["tokens_per_s"], "new_tokens": agg["new_tokens"],
+                   "speedup": metrics.speedup(agg["tokens_per_s"], base_tps), "turns": "first turn only"}
+    return rows
+
+
+def build_report(setup: Setup, drafter: Drafter, samples: dict[str, list[metrics.Sample]],
+                 hf_samples: dict[str, list[metrics.Sample]]) -> dict:
+    """The report.json dict: settings, overall and per-category figures, baselines, environment."""
+    cfg, sampling, drafting = setup.cfg, setup.sampling, setup.drafting
+    main = drafter.method if drafter.make is not None else TARGET_ONLY
+    base = samples[TARGET_ONLY]
+    overall = metrics.compare(samples[main], base)
     identical = [s.identical for s in samples[main] if s.identical is not None]
     return {
         "method": drafter.method,
         "head": str(cfg.head),
         "drafter": drafter.info,
-        "target": target.identity(),
+        "target": setup.target.identity(),
         "temperature": sampling.temperature,
         "top_k": sampling.top_k,
         "top_p": sampling.top_p,
@@ -275,8 +314,8 @@ def build_report(cfg, target: Target, drafter: Drafter, prompts, samples, hf_sam
                      "tree_top_k": drafting.tree_top_k, "tree_budget": drafting.tree_budget},
         "prompts": {"source": cfg.prompts.source, "path": cfg.prompts.path, "n": cfg.prompts.n,
                     "per_category": cfg.prompts.per_category, "multi_turn": cfg.prompts.multi_turn,
-                    "seed": cfg.prompts.seed, "ids": [p.id for p in prompts]},
-        "n_prompts": len(prompts),
+                    "seed": cfg.prompts.seed, "ids": [p.id for p in setup.prompts]},
+        "n_prompts": len(setup.prompts),
         "n_samples": len(base),
         "max_new_tokens": cfg.max_new_tokens,
         "repeats": cfg.repeats,
@@ -286,12 +325,13 @@ def build_report(cfg, target: Target, drafter: Drafter, prompts, samples, hf_sam
         "per_position_acceptance": overall["per_position_acceptance"],
         "accepted_per_position": overall["accepted_per_position"],
         "proposed_per_position": overall["proposed_per_position"],
-        "target_only_tokens_per_s": base_tps,
+        "accepted_length_histogram": overall["accepted_length_histogram"],
+        "target_only_tokens_per_s": overall["target_only_tokens_per_s"],
         "speculative_tokens_per_s": overall["speculative_tokens_per_s"],
         "speedup": overall["speedup"],
         "greedy_identical_fraction": (sum(identical) / len(identical)) if identical else None,
         "per_category": metrics.by_category(samples[main], base),
-        "baselines": baselines,
+        "baselines": baseline_rows(samples, hf_samples, main, overall["target_only_tokens_per_s"]),
         "software": software_versions(),
         "hardware": hardware(cfg.target.device),
         "conventions": metrics.CONVENTIONS,

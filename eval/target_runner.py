@@ -7,6 +7,9 @@ rejected chain slots are never copied or cleared: later steps overwrite them.
 
     slots      0 ........ start-1 | start ... start+T-1 | (stale, never attended)
     mask       prefix: all True   | new tokens: causal (chain) or ancestors (tree)
+
+`length` (slots [0, length) hold the committed sequence) is the runner's own: its user writes
+tokens with `forward`, then says how many are now committed with `commit(length)`.
 """
 
 from __future__ import annotations
@@ -52,10 +55,21 @@ class TargetRunner:
         shape = (self.num_layers, 1, cfg.num_key_value_heads, self.max_len, head_dim)
         self.kv = _LayerKV(torch.zeros(shape, dtype=p.dtype, device=p.device),
                            torch.zeros(shape, dtype=p.dtype, device=p.device))
-        self.length = 0  # slots [0, length) hold the committed sequence
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        """Slots [0, length) hold the committed sequence."""
+        return self._length
+
+    def commit(self, length: int) -> None:
+        """Slots [0, length) now hold the committed sequence (written by `forward`, moved by `gather`)."""
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"commit({length}) outside the cache's 0..{self.max_len} slots")
+        self._length = length
 
     def reset(self) -> None:
-        self.length = 0
+        self._length = 0
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, start: int,

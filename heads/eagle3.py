@@ -60,7 +60,8 @@ def eagle3_config_from_target(target_config, draft_vocab_size: int) -> LlamaConf
 
 
 class StaticKVCache(nn.Module):
-    """Position-indexed K/V buffers (B, n_kv, S, d): `update` writes at `cache_positions`, returns all S."""
+    """Position-indexed K/V buffers (B, n_kv, max_len, d): `update` writes at `cache_positions`, returns all
+    slots; attention reads only the first S of them, S = its mask's width (the slots in use)."""
 
     def __init__(self, batch_size: int, max_len: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device=None):
@@ -114,7 +115,9 @@ class Eagle3Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if kv_cache is not None:
-            k, v = kv_cache.update(cache_positions, k, v)  # (B, nkv, S, d)
+            k, v = kv_cache.update(cache_positions, k, v)  # (B, nkv, S_cache, d)
+            S = attn_mask.shape[-1]  # the mask covers the first S slots: the rest are never read
+            k, v = k[:, :, :S], v[:, :, :S]  # (B, nkv, S, d)
         rep = self.n_heads // self.n_kv_heads
         k = k.repeat_interleave(rep, dim=1).to(q.dtype)  # (B, nh, S, d)
         v = v.repeat_interleave(rep, dim=1).to(q.dtype)
@@ -165,8 +168,8 @@ class Eagle3Head(nn.Module):
         """One drafting step.
 
         input_ids (B, T), hidden (B, T, H) [fused features or the previous step's output],
-        position_ids (B, T), attn_mask (B or 1, 1, T, S) bool (True = attend) over the S keys the
-        cache returns (S = T without a cache). Returns (pre-norm hidden (B, T, H), logits (B, T, Vd)).
+        position_ids (B, T), attn_mask (B or 1, 1, T, S) bool (True = attend) over the cache's first
+        S slots (a StaticKVCache: only the slots in use need to be covered; S = T without a cache). Returns (pre-norm hidden (B, T, H), logits (B, T, Vd)).
         """
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)

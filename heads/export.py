@@ -1,4 +1,7 @@
-"""`draftsmith export`: write a trained EAGLE-3 head in an engine's format.
+"""`draftsmith export`: write a trained drafter in an engine's format.
+
+The head folder's method (draftsmith.methods, by its config.json `architectures`) loads it and
+names its formats. EAGLE-3's:
 
     format=eagle3       the EAGLE-3 folder vLLM and SGLang load (`LlamaForCausalLMEagle3`, midlayer.*)
     format=speculators  vLLM's own `speculators` format (`Eagle3DraftModel`, layers.0.*,
@@ -21,18 +24,10 @@ from omegaconf.errors import MissingMandatoryValue
 from draftsmith import DraftsmithError
 from draftsmith.data_gen.manifest import MANIFEST, claim_output, owns, prepare_output, read_manifest
 from draftsmith.data_gen.target import torch_dtype
-from draftsmith.heads.checkpoint import (
-    CONFIG,
-    default_aux_layer_ids,
-    head_tensors,
-    llama_layer_config,
-    load_eagle3,
-    save_eagle3,
-    write_head_folder,
-)
+from draftsmith.heads.checkpoint import CONFIG, default_aux_layer_ids, head_tensors, llama_layer_config, write_head_folder
 from draftsmith.heads.eagle3 import Eagle3Head
 
-FORMATS = ("eagle3", "speculators")
+FORMATS = ("eagle3", "speculators")  # EAGLE-3's; the table (draftsmith.methods) is what export reads
 SPECULATORS_ARCHITECTURE = "Eagle3DraftModel"
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config schema this writes
 
@@ -40,7 +35,7 @@ SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config schema thi
 @dataclass
 class ExportConfig:
     head: str = "???"  # folder written by `draftsmith train` (an EAGLE-3 folder)
-    format: str = "eagle3"  # eagle3 | speculators
+    format: str = "eagle3"  # eagle3 | speculators (the formats of the head's method)
     out: Optional[str] = None  # output folder; default: beside the head, `<head>-<format>`
     # speculators: the verifier's HF id or folder (default: the target id in the head's manifest)
     verifier: Optional[str] = None
@@ -55,7 +50,9 @@ class ExportConfig:
 
         if not self.head:
             raise DraftsmithError("export.head is not set: pass head=<folder written by draftsmith train>.")
-        checks.one_of("format", self.format, FORMATS)
+        from draftsmith.methods import export_formats
+
+        checks.one_of("format", self.format, export_formats())
         checks.at_least("speculative_tokens", self.speculative_tokens, 1)
         checks.one_of("dtype", self.dtype, DTYPES)
 
@@ -147,27 +144,41 @@ def is_set(cfg, key: str) -> bool:
 
 
 def run(cfg) -> Path:
-    """Load the head folder `cfg.head`, write it to `cfg.out` in `cfg.format`, return the output path."""
+    """Load the head folder `cfg.head` with its method, write it to `cfg.out` in `cfg.format`, return the path."""
+    from draftsmith.methods import method_for_folder
+
     if not is_set(cfg, "head"):
         raise DraftsmithError("export.head is not set: pass head=<folder written by draftsmith train>.")
-    if cfg.format not in FORMATS:
-        raise DraftsmithError(f"export.format={cfg.format!r} is not one of {list(FORMATS)}.")
     head_dir = Path(cfg.head)
     out = Path(cfg.out) if cfg.out else head_dir.with_name(f"{head_dir.name}-{cfg.format}")
     inputs = [("head", head_dir)] + ([("verifier", cfg.verifier)] if cfg.verifier else [])
-    out = prepare_output(out, "export", inputs, overwrite=bool(getattr(cfg, "overwrite", False)))
-    dtype = torch_dtype(cfg.dtype)
-    head = load_eagle3(head_dir)
+    out = prepare_output(out, "export", inputs, overwrite=bool(cfg.overwrite))
+    if not head_dir.is_dir():
+        raise DraftsmithError(f"head folder {head_dir} does not exist.")
+    if not (head_dir / CONFIG).is_file():
+        raise DraftsmithError(f"head={str(head_dir)!r} has no {CONFIG}: give the folder written by draftsmith train "
+                              f"(its final/).")
+    method = method_for_folder(head_dir)
+    if cfg.format not in method.formats:
+        raise DraftsmithError(f"format={cfg.format} is not a format of {method.name} heads; choose from "
+                              f"{', '.join(method.formats)}.")
+    drafter = method.load(head_dir)
     target = read_manifest(head_dir).get("target") if (head_dir / MANIFEST).is_file() else None
     if not owns(out, "export"):
         claim_output(out, "export")  # the atomic swap below then replaces only our own folder
-    if cfg.format == "eagle3":
-        path = save_eagle3(head, out, manifest_target=target, dtype=dtype,
-                           include_embeddings=cfg.include_embeddings, stage="export")
-    else:
-        verifier = cfg.verifier or (target or {}).get("target_id")
-        path = save_speculators(head, out, verifier=verifier, speculative_tokens=cfg.speculative_tokens,
-                                manifest_target=target, dtype=dtype,
-                                include_embeddings=cfg.include_embeddings)
-    print(f"draftsmith export: wrote {cfg.format} head ({cfg.dtype}) to {path}")
-    return path
+    options = ExportOptions(torch_dtype(cfg.dtype), cfg.include_embeddings, cfg.verifier, cfg.speculative_tokens)
+    return method.formats[cfg.format](drafter, out, target, options)
+
+
+def summary(path: Path) -> str:
+    return f"draftsmith export: wrote the head to {path}"
+
+
+@dataclass
+class ExportOptions:
+    """What a method's format writers read of the export options (dtype already a torch dtype)."""
+
+    dtype: torch.dtype
+    include_embeddings: bool
+    verifier: Optional[str]
+    speculative_tokens: int

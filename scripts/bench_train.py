@@ -24,10 +24,11 @@ def bench(target, mode: str, precision: str, seq: int, ttt: int, vocab: int, ste
     from draftsmith.heads.vocab import build_vocab_map
     from draftsmith.train.config import TrainConfig
     from draftsmith.train.eagle3 import Eagle3Config, Eagle3Step, TargetHead
-    from draftsmith.train.trainer import autocast, wrap_for_training
+    from draftsmith.train.trainer import TrainerConfig, autocast, wrap_for_training
 
     cfg = OmegaConf.structured(TrainConfig(data="-", precision=precision, method=Eagle3Config(ttt_steps=ttt)))
     cfg.deepspeed.config = "none"
+    cfg = TrainerConfig.from_train(cfg)
     torch.manual_seed(0)
     vocab = min(vocab, target.vocab_size)
     d2t, t2d = build_vocab_map(torch.randint(0, 1000, (target.vocab_size,)), vocab)

@@ -185,14 +185,17 @@ def main(argv: list[str] | None = None) -> None:
     from draftsmith.configs import check_config, register_configs
 
     register_configs(config_name)
-    run = importlib.import_module(module_name).run
+    stage = importlib.import_module(module_name)
 
     def task(cfg) -> None:
         try:
             check_config(config_name, cfg)
-            run(cfg)
+            result = stage.run(cfg)
         except DraftsmithError as e:
             fail(e)
+        # Stages return data; the few lines a person reads are printed here, by the stage's `summary`.
+        if hasattr(stage, "summary") and result is not None:
+            print(stage.summary(result))
 
     sys.argv = [f"draftsmith {command}", *overrides]
     hydra.main(config_path="pkg://draftsmith.configs", config_name=config_name, version_base=None)(task)()

@@ -50,6 +50,11 @@ def _load_eagle3(folder: Path, target=None):
 
     if target is None:
         return load_eagle3(folder)
+    config = read_folder_config(folder)
+    hidden = config.get("target_hidden_size") or config.get("hidden_size")
+    if hidden != target.hidden_size:  # the fc layer reads the target's features
+        raise DraftsmithError(f"head {folder} reads target hidden size {hidden}, but target {target.target_id!r} "
+                              f"has {target.hidden_size}: it was made for another target.")
     return load_eagle3(folder, device=target.device, dtype=target.dtype,
                        target_embeddings=target.model.get_input_embeddings())
 

@@ -63,12 +63,12 @@ def test_micro_batches_split_across_ranks_like_accumulation():
 @pytest.mark.parametrize("zero", ["zero1", "zero2", "zero3", "none"])
 def test_every_deepspeed_option_composes(zero):
     from draftsmith.configs import compose
-    from draftsmith.train.trainer import deepspeed_config
+    from draftsmith.train.trainer import TrainerConfig, deepspeed_config
 
     cfg = compose("train", ["target=tiny", "data=/x", f"deepspeed={zero}", "micro_batch_size=2", "grad_accum=3"])
     assert cfg.deepspeed.config == zero and cfg.method.name == "eagle3" and cfg.method.ttt_steps == 7
     if zero != "none":
-        ds = deepspeed_config(cfg, world=2)
+        ds = deepspeed_config(TrainerConfig.from_train(cfg), world=2)
         assert ds["zero_optimization"]["stage"] == int(zero[-1]) and ds["train_batch_size"] == 12
 
 

@@ -11,7 +11,7 @@ from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.train.config import DeepSpeedConfig, TrainConfig
 from draftsmith.train.eagle3 import Eagle3Config
 from draftsmith.train.run import run
-from draftsmith.train.trainer import Logger
+from draftsmith.train.trainer import Logger, TrainerConfig
 from test_train_data import make_tiny_data
 
 
@@ -53,7 +53,7 @@ def test_wandb_auto_mode(tmp_path, monkeypatch, env, want):
     monkeypatch.setattr(wandb, "init", lambda **kw: seen.update(kw) or FakeRun())
     cfg = _cfg("d", tmp_path)
     cfg.wandb.mode = "auto"
-    Logger(cfg, tmp_path, 0, 3, 0, {}).close()
+    Logger(TrainerConfig.from_train(cfg), tmp_path, 0, 3, 0, {}).close()
     assert seen["mode"] == want
 
 

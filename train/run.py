@@ -29,8 +29,8 @@ from draftsmith.data_gen.target import load_target
 from draftsmith.methods import Method, method_for_config
 from draftsmith.train import checkpoint as ckpt
 from draftsmith.train.data import load_data
-from draftsmith.train.trainer import (Logger, autocast, evaluate, init_distributed, load_checkpoint,
-                                      train_loop, wrap_for_training)
+from draftsmith.train.trainer import (Logger, TrainerConfig, autocast, evaluate, init_distributed,
+                                      load_checkpoint, train_loop, wrap_for_training)
 
 
 def validate(cfg) -> None:
@@ -134,10 +134,11 @@ def run(cfg) -> dict:
     validate(cfg)
     out = check_output(cfg)
     method = method_for_config(cfg.method)
-    rank, world = init_distributed(cfg)
     if cfg.device == "cuda":  # one device per process
         cfg.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
     cfg.target.device = cfg.device  # the target runs beside the drafter
+    trainer = TrainerConfig.from_train(cfg)
+    rank, world = init_distributed(trainer)
 
     # prepare: the target, the data, the plan
     target = load_target(cfg.target)
@@ -150,12 +151,12 @@ def run(cfg) -> dict:
     resume, start_step = find_resume(cfg, out, compat)
     seed_everything(cfg.seed)  # the drafter's fresh layers; resume restores the RNG state later
     drafter = method.new_drafter(target, cfg.method, train, resume).to(cfg.device)
-    step_module, prepare = method.training(drafter, target, cfg.method, mode, lambda: autocast(cfg))
+    step_module, prepare = method.training(drafter, target, cfg.method, mode, lambda: autocast(trainer))
     if mode == "offline":
         target = None  # what training needs of the target (its lm_head rows) lives on in `prepare`
 
     # wrap
-    w = wrap_for_training(step_module, cfg, world, total_steps)
+    w = wrap_for_training(step_module, trainer, world, total_steps)
     if resume is not None:
         load_checkpoint(w, resume, rank)
     config_dict = OmegaConf.to_container(cfg, resolve=True)
@@ -163,12 +164,12 @@ def run(cfg) -> dict:
         start_run_files(cfg, out, resume, start_step)
 
     # loop -> evaluate -> save the final drafter
-    logger = Logger(cfg, out, rank, total_steps, start_step, config_dict)
+    logger = Logger(trainer, out, rank, total_steps, start_step, config_dict)
     final = out / "final"
     try:
-        record = train_loop(w, cfg, train, prepare, method.summarize, out, rank, world, total_steps, start_step,
+        record = train_loop(w, trainer, train, prepare, method.summarize, out, rank, world, total_steps, start_step,
                             {"method": method.name, "compat": compat, "mode": mode, "config": config_dict}, logger)
-        val_metrics = evaluate(w, val, prepare, method.summarize, cfg, world) if val is not None else {}
+        val_metrics = evaluate(w, val, prepare, method.summarize, trainer, world) if val is not None else {}
         save_final(method, w, drafter, final, identity, rank)
     finally:
         logger.close()

@@ -34,6 +34,41 @@ from draftsmith.train.data import TrainData, batch_order, collate, micro_batches
 DS_CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "deepspeed"
 
 
+@dataclass
+class TrainerConfig:
+    """What the trainer reads: the loop, optimisation and logging options of `draftsmith train`.
+
+    Built from the stage's TrainConfig by `from_train` (the defaults and checks live there)."""
+
+    device: str
+    seed: int
+    precision: str  # fp32 | bf16 | fp16
+    deepspeed: str  # none | zero1 | zero2 | zero3 | a DeepSpeed JSON
+    micro_batch_size: int
+    grad_accum: int
+    mega_batch: int
+    lr: float
+    min_lr_ratio: float
+    warmup_ratio: float
+    weight_decay: float
+    betas: tuple[float, float]
+    grad_clip: float
+    save_every: int
+    keep_last: int
+    log_every: int
+    progress: bool
+    wandb: object  # mode, project, name
+    fail_at_step: Optional[int]
+
+    @staticmethod
+    def from_train(cfg) -> "TrainerConfig":
+        import dataclasses
+
+        values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainerConfig) if f.name != "deepspeed"}
+        values["betas"] = tuple(values["betas"])
+        return TrainerConfig(deepspeed=cfg.deepspeed.config, **values)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -43,7 +78,7 @@ def _free_port() -> int:
 def init_distributed(cfg) -> tuple[int, int]:
     """(rank, world_size). Launched by torchrun / deepspeed (env vars set) or as one plain process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.deepspeed.config == "none" and world == 1:
+    if cfg.deepspeed == "none" and world == 1:
         return 0, 1
     backend = "gloo" if cfg.device == "cpu" else "nccl"
     if not dist.is_initialized():
@@ -51,9 +86,9 @@ def init_distributed(cfg) -> tuple[int, int]:
             for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
                 os.environ.setdefault(key, value)  # DeepSpeed reads these
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-        elif cfg.deepspeed.config == "none":
+        elif cfg.deepspeed == "none":
             dist.init_process_group(backend)
-    if cfg.deepspeed.config != "none":
+    if cfg.deepspeed != "none":
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=backend)  # adopts the group when one exists
@@ -72,10 +107,10 @@ def cosine_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], 
 
 def deepspeed_config(cfg, world: int) -> dict:
     """configs/deepspeed/<name>.json (or a path) completed with this run's batch, clipping and precision."""
-    path = Path(cfg.deepspeed.config) if cfg.deepspeed.config.endswith(".json") else DS_CONFIGS / f"{cfg.deepspeed.config}.json"
+    path = Path(cfg.deepspeed) if cfg.deepspeed.endswith(".json") else DS_CONFIGS / f"{cfg.deepspeed}.json"
     if not path.is_file():
         names = sorted(p.stem for p in DS_CONFIGS.glob("*.json"))
-        raise DraftsmithError(f"deepspeed={cfg.deepspeed.config!r} is not none, one of {names} (deepspeed=...), nor a JSON file (deepspeed.config=...).")
+        raise DraftsmithError(f"deepspeed={cfg.deepspeed!r} is not none, one of {names} (deepspeed=...), nor a JSON file (deepspeed.config=...).")
     conf = json.loads(path.read_text())
     conf.update(train_micro_batch_size_per_gpu=cfg.micro_batch_size, gradient_accumulation_steps=cfg.grad_accum,
                 train_batch_size=cfg.micro_batch_size * cfg.grad_accum * world, gradient_clipping=cfg.grad_clip)
@@ -134,7 +169,7 @@ def wrap_for_training(module: nn.Module, cfg, world: int, total_steps: int) -> W
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
     warmup = max(1, int(cfg.warmup_ratio * total_steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_lambda(warmup, total_steps, cfg.min_lr_ratio))
-    if cfg.deepspeed.config == "none":
+    if cfg.deepspeed == "none":
         model = module
         if world > 1:
             model = nn.parallel.DistributedDataParallel(module)
