@@ -183,10 +183,11 @@ def check_same_target(manifest_target: dict, target: dict, where: str) -> None:
 # Outputs: a stage writes only into a new folder, an empty one, or its own earlier output.
 
 OWNER = ".draftsmith_owner.json"  # {"stage": ...}: written into an out folder before a stage's first write
-STAGE_NAMES = {"data_gen": "data-gen", "train": "train", "eval": "eval", "export": "export", "demo": "demo"}
+STAGE_NAMES = {"data_gen": "data-gen", "train": "train", "eval": "eval", "export": "export", "demo": "demo",
+               "publish": "publish"}
 OWNER_WORDS = {
     "data_gen": "data-gen's output", "train": "a training run", "eval": "an eval report",
-    "export": "an exported head", "demo": "a demo run", "train_head": "a trained head (train's final/ folder)",
+    "export": "an exported head", "demo": "a demo run", "publish": "a publish folder", "train_head": "a trained head (train's final/ folder)",
 }
 # Outputs made before owner files existed, recognised by what their stage always writes.
 LEGACY_SIGNS = {

@@ -22,6 +22,7 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.data_gen.config import PromptsConfig
+from draftsmith.sampling import hash_seed
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
@@ -236,11 +237,3 @@ def self_prompts(target, cfg: PromptsConfig) -> list[dict]:
                                     "messages": messages + [{"role": "user", "content": text}]})
             bar.update(len(samples) - before)
     return samples
-
-
-def hash_seed(seed: int, *parts) -> int:
-    """A stable 63-bit seed from a base seed and any parts (independent of batching and ranks)."""
-    import hashlib
-
-    h = hashlib.sha256(repr((seed, *parts)).encode()).digest()
-    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)

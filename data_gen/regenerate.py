@@ -12,9 +12,9 @@ Backends (looked up in BACKENDS):
 A backend's `chat(conversations, seeds, done=None)` returns one answer per conversation (None:
 failed) and calls `done(j)` as answer j is ready, for progress.
 
-Sampling is reproducible per sample: each conversation turn draws from its own generator,
-seeded from (seed, sample id, turn), so the same sample gets the same answer whatever batch
-or rank it lands in.
+Sampling (draftsmith.sampling: the rule eval's decoder uses too) is reproducible per sample: each
+conversation turn draws from its own generator, seeded from (seed, sample id, turn), so the same
+sample gets the same answer whatever batch or rank it lands in.
 """
 
 from __future__ import annotations
@@ -27,26 +27,23 @@ from tqdm.auto import tqdm
 
 from draftsmith import DraftsmithError
 from draftsmith.data_gen.config import BackendConfig
+from draftsmith.sampling import SamplingConfig, hash_seed, process_logits
 
 
 @dataclass
-class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
+class SamplingParams(SamplingConfig):
+    """What a backend generates with: the sampling rule and the answer length."""
+
     max_new_tokens: int = 256
 
 
 # --- the batched HF decode loop ---------------------------------------------------------------
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> torch.Tensor:
-    """Next token per row: argmax when greedy, else temperature + top-p with each row's own generator."""
-    if params.temperature <= 0:
+    """Next token per row: argmax when greedy, else draftsmith.sampling's rule with each row's own generator."""
+    if params.greedy:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)  # (B, V)
-    if params.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p > params.top_p  # keep the smallest set reaching top_p
-        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    probs = process_logits(logits, params)  # (B, V) float64
     # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) samples i with probability p_i.
     noise = torch.stack([torch.empty(probs.shape[-1]).exponential_(generator=g) for g in generators])
     return (probs / noise.to(probs.device)).argmax(dim=-1)
@@ -222,8 +219,6 @@ def regenerate_all(samples: list[dict], backend, seed: int, bar=None) -> list[li
 
     `bar.update(1)` per finished sample, as answers come back.
     """
-    from draftsmith.data_gen.prompts import hash_seed
-
     segments = [user_segments(s["messages"]) for s in samples]
     history: list[list[dict] | None] = [[] for _ in samples]
     for turn in range(max((len(s) for s in segments), default=0)):

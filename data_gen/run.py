@@ -241,7 +241,8 @@ def regenerate_chunks(cfg, target, samples: list[dict], folder: Path, settings: 
               file=sys.stderr, flush=True)
     if todo:
         folder.mkdir(parents=True, exist_ok=True)
-        backend = make_backend(target, cfg.backend, SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens))
+        backend = make_backend(target, cfg.backend, SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
+                                                                 max_new_tokens=cfg.max_new_tokens))
         with progress(total=total, desc="regenerate", unit="prompt", initial=reused) as bar:
             for k, chunk, key in todo:
                 messages = regenerate_all(chunk, backend, cfg.seed, bar)
@@ -368,20 +369,48 @@ def run(cfg) -> dict:
     """Run the stage; returns a summary dict (paths, counts, seconds)."""
     t0 = time.perf_counter()
     out = mf.prepare_output(cfg.out, "data_gen", [("prompts.path", cfg.prompts.path), ("target", cfg.target.name)],
-                            overwrite=bool(getattr(cfg, "overwrite", False)))
+                            overwrite=bool(cfg.overwrite))
     rank, world = rank_world()
     check_settings(cfg)  # before loading the target: nothing below may fail late on a bad setting
     target = load_target(cfg.target)
     identity = target.identity()
     check_out_folder(out, identity)
     mf.claim_output(out, "data_gen")  # before the first write: a rerun then knows the folder as its own
-    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-
     lock = acquire_lock(out, rank)
     try:
-        return _run_locked(cfg, out, rank, world, target, identity, config_yaml, t0)
+        samples = load_prompts_cached(cfg, target, identity, out)
+        for i, s in enumerate(samples):
+            s["order"] = i  # the prompt's index: rank parts are merged back in this order
+        settings = regeneration_settings(cfg, identity)
+        key = _digest({"prompts": _prompt_fingerprint(samples), "regenerate": settings if cfg.regenerate else None,
+                       "tokenize": [identity["tokenizer_hash"], cfg.max_length, cfg.on_overflow, cfg.reasoning]})
+        if world == 1:
+            build_sets(cfg, target, samples, out, settings, key)
+        elif not build_part_or_merge(cfg, target, samples, out, settings, key, rank, world):
+            return {"out": str(out), "rank": rank, "world_size": world, "merged": False,
+                    "counts": mf_read_json(out / "parts" / f"rank{rank:05d}" / STATE),
+                    "seconds": round(time.perf_counter() - t0, 2)}
+        mf.atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
+        counts = mf_read_json(out / STATE)
+        if counts["samples"] == 0:
+            raise DraftsmithError(f"no sample survived data-gen (counts: {counts}); nothing usable in {out}.")
+        hidden = capture(cfg, target, out)
+        mf.write_manifest(out, stage="data_gen", target=identity, counts=counts, hidden_states=hidden)
     finally:
         release_lock(lock)
+    return {"out": str(out), "rank": rank, "world_size": world, "merged": True, "counts": counts,
+            "hidden_states": hidden, "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def summary(result: dict) -> str:
+    """The line the CLI prints after a run."""
+    c = result["counts"]
+    if not result["merged"]:
+        return (f"data-gen rank {result['rank']}/{result['world_size']}: {c['samples']} samples in {result['out']}/parts "
+                f"({result['seconds']} s); the last rank to finish merges.")
+    return (f"data-gen: {c['samples']} samples, {c['tokens']} tokens ({c['loss_tokens']} with loss), "
+            f"{c['truncated']} truncated, {c['dropped']} dropped, {c['failed']} failed"
+            f"{', hidden states stored' if result['hidden_states'] else ''} -> {result['out']} in {result['seconds']} s")
 
 
 def _unfinish(out: Path) -> None:
@@ -390,61 +419,54 @@ def _unfinish(out: Path) -> None:
         (out / name).unlink(missing_ok=True)
 
 
-def _run_locked(cfg, out: Path, rank: int, world: int, target, identity: dict, config_yaml: str, t0: float) -> dict:
-    samples = load_prompts_cached(cfg, target, identity, out)
-    n_prompts = len(samples)
-    for i, s in enumerate(samples):
-        s["order"] = i
-    settings = regeneration_settings(cfg, identity)
-    num_chunks = (n_prompts + cfg.regenerate_chunk - 1) // cfg.regenerate_chunk
-    key = _digest({"prompts": _prompt_fingerprint(samples), "regenerate": settings if cfg.regenerate else None,
-                   "tokenize": [identity["tokenizer_hash"], cfg.max_length, cfg.on_overflow, cfg.reasoning]})
-    reuse = world == 1 and (out / STATE).is_file() and (out / KEY).is_file() and (out / KEY).read_text() == key
-    if world == 1 and not reuse:
-        _unfinish(out)
-        conversations, rows, counts = generate_part(cfg, target, samples, out, settings)
-        if not rows:
-            raise DraftsmithError(f"no sample survived data-gen ({_count(rows, counts, n_prompts)}); nothing written.")
-        write_sets(out, conversations, rows, _count(rows, counts, n_prompts), keep_order=False)
-        mf.atomic_write_bytes(out / KEY, key.encode())
-        _drop_extra_chunks(out, num_chunks)
-    elif world > 1:
-        part = out / "parts" / f"rank{rank:05d}"
-        chunk_ids = range(rank, num_chunks, world)
-        n_mine = sum(len(samples[k * cfg.regenerate_chunk:(k + 1) * cfg.regenerate_chunk]) for k in chunk_ids)
-        conversations, rows, counts = generate_part(cfg, target, samples, out, settings, chunk_ids)
-        write_sets(part, conversations, rows, _count(rows, counts, n_mine), keep_order=True)
-        if not _claim_merge(out, world):
-            summary = {"out": str(out), "rank": rank, "world_size": world, "merged": False,
-                       "counts": mf_read_json(part / STATE), "seconds": round(time.perf_counter() - t0, 2)}
-            print(f"data-gen rank {rank}/{world}: {summary['counts']['samples']} samples in {part} "
-                  f"({summary['seconds']} s); the last rank to finish merges.", file=sys.stderr)
-            return summary
-        _unfinish(out)
-        merge_parts(out, world)
-        mf.atomic_write_bytes(out / KEY, key.encode())
-        _drop_extra_chunks(out, num_chunks)
-        shutil.rmtree(out / "parts", ignore_errors=True)
-    mf.atomic_write_bytes(out / "config.yaml", config_yaml.encode())
-    counts = mf_read_json(out / STATE)
-    if counts["samples"] == 0:
-        raise DraftsmithError(f"no sample survived data-gen (counts: {counts}); nothing usable in {out}.")
+def _num_chunks(cfg, samples: list) -> int:
+    return (len(samples) + cfg.regenerate_chunk - 1) // cfg.regenerate_chunk
 
-    hidden = None
-    if cfg.hidden_states:
-        import datasets
 
-        ids = datasets.load_from_disk(str(out / "tokenized"))["input_ids"]
-        index = capture_hidden_states(target, ids, out / "hidden_states", cfg.hidden_states_dtype,
-                                      cfg.samples_per_shard, cfg.capture_batch_size)
-        hidden = {k: index[k] for k in ("dtype", "aux_layer_ids", "last_hidden_state", "hidden_size")}
-        hidden["shards"] = len(index["shards"])
-    elif (out / "hidden_states").exists():
-        shutil.rmtree(out / "hidden_states")
-    mf.write_manifest(out, stage="data_gen", target=identity, counts=counts, hidden_states=hidden)
-    summary = {"out": str(out), "rank": rank, "world_size": world, "merged": True, "counts": counts,
-               "hidden_states": hidden, "seconds": round(time.perf_counter() - t0, 2)}
-    print(f"data-gen: {counts['samples']} samples, {counts['tokens']} tokens ({counts['loss_tokens']} with loss), "
-          f"{counts['truncated']} truncated, {counts['dropped']} dropped, {counts['failed']} failed"
-          f"{', hidden states stored' if hidden else ''} -> {out} in {summary['seconds']} s")
-    return summary
+def build_sets(cfg, target, samples: list[dict], out: Path, settings: dict, key: str) -> None:
+    """One process: regenerate (reusing finished chunks) and tokenize, unless a finished tokenized set
+    made with the same key is there already."""
+    if (out / STATE).is_file() and (out / KEY).is_file() and (out / KEY).read_text() == key:
+        return
+    _unfinish(out)
+    conversations, rows, counts = generate_part(cfg, target, samples, out, settings)
+    if not rows:
+        raise DraftsmithError(f"no sample survived data-gen ({_count(rows, counts, len(samples))}); nothing written.")
+    write_sets(out, conversations, rows, _count(rows, counts, len(samples)), keep_order=False)
+    mf.atomic_write_bytes(out / KEY, key.encode())
+    _drop_extra_chunks(out, _num_chunks(cfg, samples))
+
+
+def build_part_or_merge(cfg, target, samples: list[dict], out: Path, settings: dict, key: str,
+                        rank: int, world: int) -> bool:
+    """Several ranks: write this rank's chunks as a part; the last rank to finish merges every part
+    into out/ and returns True (the others return False)."""
+    part = out / "parts" / f"rank{rank:05d}"
+    chunk_ids = range(rank, _num_chunks(cfg, samples), world)
+    n_mine = sum(len(samples[k * cfg.regenerate_chunk:(k + 1) * cfg.regenerate_chunk]) for k in chunk_ids)
+    conversations, rows, counts = generate_part(cfg, target, samples, out, settings, chunk_ids)
+    write_sets(part, conversations, rows, _count(rows, counts, n_mine), keep_order=True)
+    if not _claim_merge(out, world):
+        return False
+    _unfinish(out)
+    merge_parts(out, world)
+    mf.atomic_write_bytes(out / KEY, key.encode())
+    _drop_extra_chunks(out, _num_chunks(cfg, samples))
+    shutil.rmtree(out / "parts", ignore_errors=True)
+    return True
+
+
+def capture(cfg, target, out: Path) -> dict | None:
+    """Offline mode: the hidden states of the tokenized set (finished shards kept); None otherwise."""
+    if not cfg.hidden_states:
+        if (out / "hidden_states").exists():
+            shutil.rmtree(out / "hidden_states")
+        return None
+    import datasets
+
+    ids = datasets.load_from_disk(str(out / "tokenized"))["input_ids"]
+    index = capture_hidden_states(target, ids, out / "hidden_states", cfg.hidden_states_dtype,
+                                  cfg.samples_per_shard, cfg.capture_batch_size)
+    hidden = {k: index[k] for k in ("dtype", "aux_layer_ids", "last_hidden_state", "hidden_size")}
+    hidden["shards"] = len(index["shards"])
+    return hidden

@@ -192,10 +192,10 @@ def run(cfg) -> dict:
             if list_checkpoints(out / "head"):
                 overrides = overrides + ["resume=true"]
         t0 = time.perf_counter()
-        result = _run_stage(stage, overrides)
+        done = _run_stage(stage, overrides)
         result["seconds"][stage] = round(time.perf_counter() - t0, 1)
         if stage == "train":
-            result["train"] = {"steps": result.get("steps"), "val": result.get("val")}
+            result["train"] = {"steps": done.get("steps"), "val": done.get("val")}
         atomic_write_json(out / f"{stage}.done.json", {"overrides": plan[stage], "seconds": result["seconds"][stage]})
     result["seconds"]["total"] = round(time.perf_counter() - t_all, 1)
     result["report"] = json.loads((out / "eval" / "report.json").read_text())

@@ -27,7 +27,6 @@ from draftsmith.data_gen.target import torch_dtype
 from draftsmith.heads.checkpoint import CONFIG, default_aux_layer_ids, head_tensors, llama_layer_config, write_head_folder
 from draftsmith.heads.eagle3 import Eagle3Head
 
-FORMATS = ("eagle3", "speculators")  # EAGLE-3's; the table (draftsmith.methods) is what export reads
 SPECULATORS_ARCHITECTURE = "Eagle3DraftModel"
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config schema this writes
 

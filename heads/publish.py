@@ -24,7 +24,7 @@ from typing import Optional
 from draftsmith import DraftsmithError
 from draftsmith.data_gen.manifest import (MANIFEST, OWNER, atomic_folder, atomic_write_bytes, atomic_write_json,
                                           claim_output, prepare_output, read_manifest)
-from draftsmith.heads.export import FORMATS, is_set
+from draftsmith.heads.export import is_set
 
 REPO_ID_RULE = "<owner>/<name>, letters, digits, '-', '_' and '.', at most 96 characters"
 # Targets draftsmith names itself, and their Hub ids and licenses
@@ -59,10 +59,12 @@ class PublishConfig:
         if self.repo_id != "???":
             check_repo_id(self.repo_id)
         formats = list(self.formats or [])
+        from draftsmith.methods import export_formats
+
         if not formats:
-            raise DraftsmithError(f"formats=[] is empty; choose one or more of {', '.join(FORMATS)}.")
+            raise DraftsmithError(f"formats=[] is empty; choose one or more of {', '.join(export_formats())}.")
         for fmt in formats:
-            checks.one_of("formats", fmt, FORMATS)
+            checks.one_of("formats", fmt, export_formats())
         if len(set(formats)) != len(formats):
             raise DraftsmithError(f"formats={formats} names a format twice.")
         checks.at_least("speculative_tokens", self.speculative_tokens, 1, null="the eval report's K")
@@ -87,21 +89,23 @@ def check_repo_id(repo_id) -> str:
     return text
 
 
-def head_folder(head: str | Path) -> Path:
-    """The EAGLE-3 folder `head=` names: the folder itself or its final/ (what train writes)."""
-    from draftsmith.heads.checkpoint import EAGLE3_ARCHITECTURE, WEIGHTS, read_config_json
+def head_folder(head: str | Path):
+    """(the head folder `head=` names: the folder itself or its final/, its method from draftsmith.methods)."""
+    from draftsmith.heads.checkpoint import WEIGHTS
+    from draftsmith.methods import method_for_folder
 
     path = Path(str(head))
     folder = next((f for f in (path, path / "final") if (f / "config.json").is_file()), None)
     if folder is None:
         raise DraftsmithError(f"head={str(head)!r} has no config.json (nor a final/ folder holding one); give a "
-                              f"draftsmith train out/ folder or an EAGLE-3 head folder.")
-    if EAGLE3_ARCHITECTURE not in (read_config_json(folder).get("architectures") or []):
-        raise DraftsmithError(f"head {folder} is not an EAGLE-3 head folder ({EAGLE3_ARCHITECTURE}); publish the "
-                              f"folder draftsmith train wrote.")
+                              f"draftsmith train out/ folder or a head folder.")
+    method = method_for_folder(folder)
+    if method.card is None:
+        raise DraftsmithError(f"head {folder} is a {method.name} folder, which publish does not describe yet; "
+                              f"publish a folder draftsmith train wrote.")
     if not (folder / WEIGHTS).is_file():
         raise DraftsmithError(f"head {folder} has no {WEIGHTS}.")
-    return folder
+    return folder, method
 
 
 def read_report(path: str | Path) -> tuple[dict, Path]:
@@ -169,8 +173,9 @@ def local_license(target_id: str) -> Optional[str]:
 # What the card says
 
 
-def serving_commands(base_model: str, repo_id: str, report: Optional[dict], k: int, formats: list[str]) -> dict:
-    """Copy-paste commands for vLLM and (EAGLE-3 format at the root) SGLang, with the eval's drafting settings."""
+def eagle3_card(base_model: str, repo_id: str, report: Optional[dict], k: int, formats: list[str],
+                train: dict) -> dict:
+    """EAGLE-3's parts of the card (the method table's `card`): what it is, tags, serving commands, files."""
     spec = json.dumps({"method": "eagle3", "model": repo_id, "num_speculative_tokens": k})
     commands = {"vllm": f"vllm serve {base_model} \\\n    --speculative-config '{spec}'"}
     if formats[0] == "eagle3":
@@ -182,7 +187,21 @@ def serving_commands(base_model: str, repo_id: str, report: Optional[dict], k: i
                               f"    --speculative-algorithm EAGLE3 --speculative-draft-model-path {repo_id} \\\n"
                               f"    --speculative-num-steps {k} --speculative-eagle-topk {topk} "
                               f"--speculative-num-draft-tokens {draft_tokens}")
-    return commands
+    options = train.get("method") if isinstance(train.get("method"), dict) else {}
+    return {
+        "title": "An EAGLE-3 draft head",
+        "method": ("EAGLE-3: one Llama decoder layer fed by the target's hidden states from three layers (low, "
+                   "middle, high), fused by a linear layer, trained with the training-time test (the head's own "
+                   f"outputs fed back for {options.get('ttt_steps', 7)} steps, loss weights "
+                   f"{options.get('ttt_decay', 0.8)}^i) on the target's own answers. It drafts over a reduced "
+                   "vocabulary mapped to the target's by `d2t` / `t2d`."),
+        "tags": ["eagle3", "speculative-decoding", "draft-model", "draftsmith", "vllm"]
+                + (["sglang"] if formats[0] == "eagle3" else []) + (["speculators"] if "speculators" in formats else []),
+        "commands": commands,
+        "no_sglang": "SGLang loads the EAGLE-3 format: publish with formats=[eagle3,...] to serve this head there.",
+        "files": {"eagle3": "vLLM `LlamaForCausalLMEagle3`, SGLang", "speculators": "vLLM `Eagle3DraftModel`, speculators_config"},
+        "draft_vocab_size": options.get("draft_vocab_size"),
+    }
 
 
 def eval_results(report: dict, base_model: str) -> list:
@@ -218,8 +237,7 @@ def training_summary(folder: Path) -> dict:
 
         train = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=False)
         summary["train"] = {k: train.get(k) for k in ("method", "mode", "epochs", "max_steps", "lr", "precision",
-                                                      "ttt_steps", "ttt_decay", "draft_vocab_size", "max_length",
-                                                      "micro_batch_size", "grad_accum") if k in train}
+                                                      "max_length", "micro_batch_size", "grad_accum") if k in train}
         data = Path(str(train.get("data", "")))
         if train.get("data") and (data / MANIFEST).is_file():
             manifest = read_manifest(data)
@@ -272,15 +290,11 @@ def eval_section(report: Optional[dict], plot: bool) -> list[str]:
     return lines
 
 
-def method_section(summary: dict) -> list[str]:
+def method_section(summary: dict, parts: dict) -> list[str]:
     train = summary.get("train", {})
     head = summary.get("head", {})
-    lines = ["## Method", "",
-             "EAGLE-3: one Llama decoder layer fed by the target's hidden states from three layers (low, middle, "
-             "high), fused by a linear layer, trained with the training-time test (the head's own outputs fed "
-             f"back for {train.get('ttt_steps', 7)} steps, loss weights {train.get('ttt_decay', 0.8)}^i) on the "
-             "target's own answers. It drafts over a reduced vocabulary mapped to the target's by `d2t` / `t2d`."]
-    facts = {"draft vocab": head.get("draft_vocab_size") or train.get("draft_vocab_size"),
+    lines = ["## Method", "", parts["method"]]
+    facts = {"draft vocab": head.get("draft_vocab_size") or parts.get("draft_vocab_size"),
              "parameters (without embeddings)": head.get("parameters"), "mode": train.get("mode"),
              "precision": train.get("precision"), "learning rate": train.get("lr"), "epochs": train.get("epochs"),
              "max steps": train.get("max_steps"), "max length": train.get("max_length")}
@@ -299,30 +313,31 @@ def method_section(summary: dict) -> list[str]:
 
 
 def build_card(cfg, base_model: str, license: str, report: Optional[dict], summary: dict, k: int,
-               formats: list[str], plot: bool) -> str:
+               formats: list[str], plot: bool, method=None) -> str:
     """README.md: Hub metadata (base_model, license, library_name, tags, pipeline_tag, model-index) + the card."""
     from huggingface_hub import ModelCard, ModelCardData
 
+    from draftsmith.methods import methods
+
+    method = method or methods()["eagle3"]
     name = cfg.repo_id.split("/")[1]
-    tags = ["eagle3", "speculative-decoding", "draft-model", "draftsmith", "vllm"] + \
-        (["sglang"] if formats[0] == "eagle3" else []) + (["speculators"] if "speculators" in formats else [])
-    data = ModelCardData(base_model=base_model, license=license, library_name=cfg.library_name, tags=tags,
+    parts = method.card(base_model, cfg.repo_id, report, k, formats, summary.get("train", {}))
+    commands = parts["commands"]
+    data = ModelCardData(base_model=base_model, license=license, library_name=cfg.library_name, tags=parts["tags"],
                          pipeline_tag="text-generation", model_name=name,
                          eval_results=eval_results(report, base_model) if report else None)
-    commands = serving_commands(base_model, cfg.repo_id, report, k, formats)
     body = [f"# {name}", "",
-            f"An EAGLE-3 draft head for [{base_model}](https://huggingface.co/{base_model}): it proposes tokens that "
+            f"{parts['title']} for [{base_model}](https://huggingface.co/{base_model}): it proposes tokens that "
             f"the target verifies, so outputs are the target's own (lossless); it only changes speed.", "",
             "## Serve it", "", "vLLM:", "", "```bash", commands["vllm"], "```", ""]
     if "sglang" in commands:
         body += ["SGLang:", "", "```bash", commands["sglang"], "```", ""]
     else:
-        body += ["SGLang loads the EAGLE-3 format: publish with formats=[eagle3,...] to serve this head there.", ""]
+        body += [parts["no_sglang"], ""]
     body += [f"K = {k} speculative tokens" + (" (the eval's setting)." if report else "."), ""]
-    body += eval_section(report, plot) + method_section(summary)
-    body += ["## Files", ""] + [f"- `{'.' if i == 0 else fmt + '/'}`: the {fmt} format"
-                                + (" (vLLM `LlamaForCausalLMEagle3`, SGLang)" if fmt == "eagle3" else
-                                   " (vLLM `Eagle3DraftModel`, speculators_config)") for i, fmt in enumerate(formats)]
+    body += eval_section(report, plot) + method_section(summary, parts)
+    body += ["## Files", ""] + [f"- `{'.' if i == 0 else fmt + '/'}`: the {fmt} format ({parts['files'][fmt]})"
+                                for i, fmt in enumerate(formats)]
     body += ["", f"Trained, measured and published with draftsmith; weights in {cfg.dtype}.", ""]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body)))
 
@@ -331,23 +346,19 @@ def build_card(cfg, base_model: str, license: str, report: Optional[dict], summa
 # The folder and the upload
 
 
-def write_formats(folder: Path, tmp: Path, formats: list[str], cfg, base_model: str, k: int) -> None:
-    """Export the head into tmp: the first format at the root, the others in subfolders (export's own writers)."""
+def write_formats(folder: Path, tmp: Path, formats: list[str], cfg, base_model: str, k: int, method=None) -> None:
+    """Export the head into tmp with its method's writers: the first format at the root, the others in subfolders."""
     from draftsmith.data_gen.target import torch_dtype
-    from draftsmith.heads.checkpoint import load_eagle3, save_eagle3
-    from draftsmith.heads.export import save_speculators
+    from draftsmith.heads.export import ExportOptions
+    from draftsmith.methods import method_for_folder
 
-    head = load_eagle3(folder)
+    method = method or method_for_folder(folder)
+    head = method.load(folder)
     target = read_manifest(folder).get("target") if (folder / MANIFEST).is_file() else None
-    dtype = torch_dtype(cfg.dtype)
+    options = ExportOptions(torch_dtype(cfg.dtype), cfg.include_embeddings, verifier=base_model, speculative_tokens=k)
     for i, fmt in enumerate(formats):
         sub = tmp / (f".{fmt}-root" if i == 0 else fmt)
-        if fmt == "eagle3":
-            save_eagle3(head, sub, manifest_target=target, dtype=dtype, include_embeddings=cfg.include_embeddings,
-                        stage="export")
-        else:
-            save_speculators(head, sub, verifier=base_model, speculative_tokens=k, manifest_target=target,
-                             dtype=dtype, include_embeddings=cfg.include_embeddings)
+        method.formats[fmt](head, sub, target, options)
         (sub / OWNER).unlink(missing_ok=True)
         if i == 0:
             for f in sub.iterdir():
@@ -356,12 +367,12 @@ def write_formats(folder: Path, tmp: Path, formats: list[str], cfg, base_model: 
 
 
 def write_publish_folder(cfg, out: Path, folder: Path, report: Optional[tuple[dict, Path]], base_model: str,
-                         license: str, k: int) -> Path:
+                         license: str, k: int, method=None) -> Path:
     """The Hub-ready folder (atomically): formats, eval/ (report + plot), README.md."""
     formats = list(cfg.formats)
     with atomic_folder(out, owner="publish") as tmp:
         claim_output(tmp, "publish")
-        write_formats(folder, tmp, formats, cfg, base_model, k)
+        write_formats(folder, tmp, formats, cfg, base_model, k, method)
         plot = False
         if report is not None:
             data, where = report
@@ -372,7 +383,7 @@ def write_publish_folder(cfg, out: Path, folder: Path, report: Optional[tuple[di
                     shutil.copyfile(where / name, tmp / "eval" / name)
             plot = (tmp / "eval" / "report.png").is_file()
         card = build_card(cfg, base_model, license, report[0] if report else None, training_summary(folder), k,
-                          formats, plot)
+                          formats, plot, method)
         atomic_write_bytes(tmp / "README.md", card.encode())
     return out
 
@@ -419,7 +430,11 @@ def run(cfg) -> dict:
         if not is_set(cfg, key):
             raise DraftsmithError(f"{key}= is required: pass {hint}.")
     repo_id = check_repo_id(cfg.repo_id)  # before any work
-    folder = head_folder(cfg.head)
+    folder, method = head_folder(cfg.head)
+    missing = [fmt for fmt in cfg.formats if fmt not in method.formats]
+    if missing:
+        raise DraftsmithError(f"formats has {missing[0]}, not a format of {method.name} heads; choose from "
+                              f"{', '.join(method.formats)}.")
     report = matching_report(cfg, folder)
     target = read_manifest(folder).get("target", {}) if (folder / MANIFEST).is_file() else {}
     base_model, license = resolve_base_model(cfg, target)
@@ -430,12 +445,18 @@ def run(cfg) -> dict:
     out = Path(cfg.out) if cfg.out else head_arg.with_name(f"{head_arg.name}-hub")
     inputs = [("head", head_arg), ("head", folder)] + ([("report", cfg.report)] if cfg.report else [])
     out = prepare_output(out, "publish", inputs, overwrite=bool(cfg.overwrite))
-    write_publish_folder(cfg, out, folder, report, base_model, license, int(k))
+    write_publish_folder(cfg, out, folder, report, base_model, license, int(k), method)
     result = {"out": str(out), "repo_id": repo_id, "files": upload_files(out), "uploaded": False}
     if cfg.dry_run:
-        print(f"draftsmith publish: wrote {out} ({len(result['files'])} files); dry_run=true, nothing uploaded")
         return result
-    done = upload(out, repo_id, bool(cfg.private), f"draftsmith publish: EAGLE-3 head for {base_model}")
+    done = upload(out, repo_id, bool(cfg.private), f"draftsmith publish: {method.name} head for {base_model}")
     result.update(uploaded=True, url=done["url"], commit=done["commit"])
-    print(f"draftsmith publish: uploaded {len(done['files'])} files from {out} to {done['url']} in one commit")
     return result
+
+
+def summary(result: dict) -> str:
+    """The line the CLI prints."""
+    if not result["uploaded"]:
+        return f"draftsmith publish: wrote {result['out']} ({len(result['files'])} files); dry_run=true, nothing uploaded"
+    return (f"draftsmith publish: uploaded {len(result['files'])} files from {result['out']} to {result['url']} "
+            f"in one commit")

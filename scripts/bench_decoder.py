@@ -14,9 +14,10 @@ import time
 import torch
 
 from draftsmith.data_gen.target import TargetConfig, load_target
-from draftsmith.eval.decoder import DraftingConfig, SamplingConfig, speculative_generate
-from draftsmith.eval.proposers import make_proposer
+from draftsmith.eval.decoder import DraftingConfig, speculative_generate
+from draftsmith.eval.proposers import NgramProposer
 from draftsmith.eval.target_runner import TargetRunner
+from draftsmith.sampling import SamplingConfig
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number, then explain it.",
@@ -64,7 +65,7 @@ def main() -> dict:
     target = load_target(TargetConfig(name="smollm2"))
     runner = TargetRunner(target.model, 1024, target.aux_layer_ids)
     greedy, chain = SamplingConfig(), DraftingConfig("chain", args.k)
-    ngram = make_proposer("ngram", target, max_ngram=3)
+    ngram = NgramProposer(ngram_max=3, ngram_min=1)
     rows = []
     with torch.inference_mode():
         for text in PROMPTS:

@@ -13,7 +13,8 @@ proposer); its entry only names them. Adding a method is one entry plus its own 
            training=f(drafter, target, method_cfg, mode, autocast) -> (module with .drafter, prepare),
            summarize=f(stats) -> dict, save=f(drafter, folder, target_identity) -> Path,
            load=f(folder, target) -> drafter, proposer=f(drafter, target_vocab_size, max_len) -> Proposer,
-           formats={format: f(drafter, folder, manifest_target, options) -> Path})
+           formats={format: f(drafter, folder, manifest_target, options) -> Path},
+           card=f(base_model, repo_id, eval_report, k, formats, train_config) -> the model card's parts)
 
 A method without `config` can be evaluated (its folders loaded and drafted with) but not trained.
 """
@@ -41,6 +42,7 @@ class Method:
     save: Optional[Callable] = None
     formats: dict[str, Callable] = field(default_factory=dict)  # export format -> writer
     foreign_architectures: dict[str, str] = field(default_factory=dict)  # loadable elsewhere only: why not here
+    card: Optional[Callable] = None  # publish: (base_model, repo_id, report, k, formats, train config) -> card parts
 
 
 # ---- EAGLE-3 ------------------------------------------------------------------------------------
@@ -88,13 +90,14 @@ def _eagle3_proposer(head, target_vocab_size: int, max_len: int):
 
 
 def _eagle3_entry() -> Method:
+    from draftsmith.heads.publish import eagle3_card
     from draftsmith.train import eagle3
 
     return Method(
         name="eagle3", config=eagle3.Eagle3Config, architectures=("LlamaForCausalLMEagle3",),
         new_drafter=eagle3.new_eagle3, training=eagle3.eagle3_training, summarize=eagle3.summarize,
         save=_save_eagle3, load=_load_eagle3, proposer=_eagle3_proposer,
-        formats={"eagle3": _export_eagle3, "speculators": _export_speculators},
+        formats={"eagle3": _export_eagle3, "speculators": _export_speculators}, card=eagle3_card,
         foreign_architectures={"Eagle3DraftModel": "the speculators format (vLLM loads it); give the "
                                                    "EAGLE-3 folder it was exported from"})
 

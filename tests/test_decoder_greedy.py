@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from draftsmith import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.eval.decoder import DraftingConfig, SamplingConfig, speculative_generate
-from draftsmith.eval.proposers import make_proposer
+from draftsmith.eval.proposers import DraftModelProposer, Eagle3Proposer, NgramProposer
 from draftsmith.eval.target_runner import TargetRunner
 from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
 
@@ -48,13 +48,17 @@ def _eagle_head(target, draft_vocab=200, seed=0):
     return head
 
 
+def _self_draft(target):
+    """A draft model identical to the target: every draft is accepted (exercises the bonus path)."""
+    return DraftModelProposer(target.model, target.vocab_size, 256)
+
+
 def _proposers(target):
     return {
-        "ngram": make_proposer("ngram", target, max_ngram=3),
-        "eagle3": make_proposer("eagle3", target, head=_eagle_head(target)),
-        "draft_model": make_proposer("draft_model", target, model=_draft_llama(target.vocab_size, 1)),
-        # A draft model identical to the target: every draft is accepted (exercises the bonus path).
-        "self": make_proposer("draft_model", target, model=target.model),
+        "ngram": NgramProposer(ngram_max=3, ngram_min=1),
+        "eagle3": Eagle3Proposer(_eagle_head(target), target.vocab_size, 256),
+        "draft_model": DraftModelProposer(_draft_llama(target.vocab_size, 1), target.vocab_size, 256),
+        "self": _self_draft(target),
     }
 
 
@@ -83,7 +87,7 @@ def test_eos_and_max_new_tokens_truncate_exactly(tiny):
     ref = speculative_generate(runner, None, prompt, 30, GREEDY, CHAIN, eos_token_ids=[])
     eos = ref.tokens[7]
     first = ref.tokens.index(eos)
-    self_draft = make_proposer("draft_model", target, model=target.model)
+    self_draft = _self_draft(target)
     for proposer in (None, self_draft):
         res = speculative_generate(runner, proposer, prompt, 30, GREEDY, CHAIN, eos_token_ids=[eos])
         assert res.tokens == ref.tokens[: first + 1]
@@ -95,7 +99,7 @@ def test_eos_and_max_new_tokens_truncate_exactly(tiny):
 def test_stats_are_consistent(tiny):
     target, runner = tiny
     prompt = _repetitive_prompt()
-    res = speculative_generate(runner, make_proposer("draft_model", target, model=target.model), prompt, 21,
+    res = speculative_generate(runner, _self_draft(target), prompt, 21,
                                GREEDY, CHAIN, eos_token_ids=[])
     assert sum(res.emitted_per_verification) + 1 == len(res.tokens) == 21
     assert res.accepted_per_position == res.proposed_per_position  # a perfect drafter
@@ -117,12 +121,14 @@ def test_bad_inputs(tiny):
     with pytest.raises(DraftsmithError):
         SamplingConfig(top_p=0)
     with pytest.raises(DraftsmithError):
-        make_proposer("medusa", target)
+        NgramProposer(ngram_max=1, ngram_min=2)
+    with pytest.raises(DraftsmithError):  # a head for another vocabulary
+        Eagle3Proposer(_eagle_head(target), target.vocab_size + 1, 64)
     with pytest.raises(DraftsmithError):
         speculative_generate(runner, None, torch.tensor([1, 2]), 10_000, GREEDY, CHAIN, eos_token_ids=[])
     no_aux = TargetRunner(target.model, 64, None)
     with pytest.raises(DraftsmithError):
-        speculative_generate(no_aux, make_proposer("eagle3", target, head=_eagle_head(target)), torch.tensor([1, 2]),
+        speculative_generate(no_aux, Eagle3Proposer(_eagle_head(target), target.vocab_size, 64), torch.tensor([1, 2]),
                              4, GREEDY, CHAIN, eos_token_ids=[])
 
 

@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from draftsmith.eval import decoder
 from draftsmith.eval.decoder import (DraftingConfig, SamplingConfig, accept_probability, process_logits,
                                      residual_distribution, speculative_generate)
-from draftsmith.eval.proposers import make_proposer
+from draftsmith.eval.proposers import DraftModelProposer, Eagle3Proposer, NgramProposer
 from draftsmith.eval.target_runner import TargetRunner
 from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
 
@@ -98,8 +98,11 @@ CASES = {
 
 
 def _proposer(kind, target):
-    kw = {"draft_model": {"model": _llama(1, 60)}, "eagle3": {"head": _eagle(target)}, "ngram": {}}[kind]
-    return make_proposer(kind, target, **kw)
+    if kind == "ngram":
+        return NgramProposer(ngram_max=3, ngram_min=1)
+    if kind == "eagle3":
+        return Eagle3Proposer(_eagle(target), V, 32)
+    return DraftModelProposer(_llama(1, 60), V, 32)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from draftsmith.eval.decoder import DraftingConfig, SamplingConfig, speculative_generate
-from draftsmith.eval.proposers import make_proposer
+from draftsmith.eval.proposers import Eagle3Proposer, NgramProposer
 from draftsmith.eval.target_runner import TargetRunner
 from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
 
@@ -36,8 +36,8 @@ def test_smollm2_greedy_lossless(smollm2_target):
     head = Eagle3Head(eagle3_config_from_target(target.model.config, 2048)).eval()
     used = torch.arange(2048)
     head.init_from_target(target.model, used - torch.arange(2048), torch.arange(target.vocab_size) < 2048)
-    cases = [("ngram", make_proposer("ngram", target), DraftingConfig("chain", 5)),
-             ("eagle3-tree", make_proposer("eagle3", target, head=head), DraftingConfig("tree", 3, 3, 8))]
+    cases = [("ngram", NgramProposer(3, 1), DraftingConfig("chain", 5)),
+             ("eagle3-tree", Eagle3Proposer(head, target.vocab_size, 512), DraftingConfig("tree", 3, 3, 8))]
     for text in PROMPTS:
         prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                       return_tensors="pt", return_dict=True)["input_ids"][0]

@@ -25,14 +25,21 @@ def test_speedup():
 
 def test_aggregate_and_by_category_by_hand():
     # a: prefill token + 4 verifications emitting 10 (tau 2.5); b: 4 verifications emitting 6 (tau 1.5)
-    spec = [Sample("a", new_tokens=11, verifications=4, seconds=1.0, accepted=[3, 2], proposed=[4, 4], emitted=10),
-            Sample("b", new_tokens=7, verifications=4, seconds=1.0, accepted=[1, 0], proposed=[4, 4], emitted=6)]
+    spec = [Sample("a", new_tokens=11, verifications=4, seconds=1.0, accepted=[3, 2], proposed=[4, 4],
+                   emitted_per_verification=[3, 1, 4, 2]),
+            Sample("b", new_tokens=7, verifications=4, seconds=1.0, accepted=[1, 0], proposed=[4, 4],
+                   emitted_per_verification=[2, 1, 2, 1])]
     base = [Sample("a", new_tokens=11, verifications=10, seconds=2.0),
             Sample("b", new_tokens=7, verifications=6, seconds=1.5)]
     agg = aggregate(spec)
     assert agg["tau"] == 16 / 8 and agg["tokens_per_s"] == 9.0
     assert agg["per_position_acceptance"] == [0.5, 0.25]
     assert aggregate(base)["tau"] == 1.0  # target-only: emitted defaults to new_tokens - 1
+    # tokens emitted by one verification -> how many verifications emitted that many (JSON keys, ascending)
+    assert agg["accepted_length_histogram"] == {"1": 3, "2": 3, "3": 1, "4": 1}
+    assert aggregate(base)["accepted_length_histogram"] == {"1": 16}
+    hist = agg["accepted_length_histogram"]
+    assert sum(int(n) * c for n, c in hist.items()) / sum(hist.values()) == agg["tau"]
     c = compare(spec, base)
     assert c["target_only_tokens_per_s"] == pytest.approx(18 / 3.5)
     assert c["speedup"] == pytest.approx(9.0 / (18 / 3.5))

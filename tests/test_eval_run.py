@@ -17,7 +17,7 @@ SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_ben
 REPORT_KEYS = {
     "method", "target", "head", "temperature", "top_k", "top_p", "drafting", "n_prompts", "new_tokens", "tau",
     "per_position_acceptance", "target_only_tokens_per_s", "speculative_tokens_per_s", "speedup",
-    "per_category", "software", "hardware", "conventions", "baselines",
+    "per_category", "software", "hardware", "conventions", "baselines", "accepted_length_histogram",
 }
 
 
@@ -67,8 +67,12 @@ def check_report(report, out):
     assert {"torch", "transformers", "draftsmith", "python"} <= set(report["software"])
     assert {"cpu", "cpu_cores", "device"} <= set(report["hardware"])
     assert "bonus token included" in report["conventions"]
+    hist = report["accepted_length_histogram"]  # {tokens emitted by a verification: verifications}
+    assert sum(int(n) * c for n, c in hist.items()) == pytest.approx(report["tau"] * sum(hist.values()))
+    assert on_disk["accepted_length_histogram"] == hist
     md = (out / "report.md").read_text()
     assert "| writing |" in md and "bonus token included" in md
+    assert "| verifications | " + " | ".join(str(c) for c in hist.values()) + " |" in md
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "config.yaml").is_file() and (out / "manifest.json").is_file()
 
@@ -113,6 +117,28 @@ def test_head_for_another_target_is_refused(questions, tmp_path):
 def test_unknown_head_is_refused(questions, tmp_path):
     with pytest.raises(DraftsmithError, match="head="):
         run(eval_cfg(questions, tmp_path, "head=no/such/folder"))
+
+
+def test_folder_only_another_tool_reads_is_refused(questions, tmp_path):
+    """A speculators-format folder: the EAGLE-3 method names it foreign (draftsmith.methods), eval refuses it."""
+    (tmp_path / "spec").mkdir()
+    (tmp_path / "spec" / "config.json").write_text(json.dumps({"architectures": ["Eagle3DraftModel"]}))
+    with pytest.raises(DraftsmithError, match="speculators format") as e:
+        run(eval_cfg(questions, tmp_path / "out", f"head={tmp_path / 'spec'}"))
+    assert "\n" not in str(e.value)
+
+
+def test_hf_assisted_needs_a_transformers_drafter(questions, tmp_path):
+    head = save_tiny_head(tmp_path / "head")
+    with pytest.raises(DraftsmithError, match="hf_assisted"):
+        run(eval_cfg(questions, tmp_path / "out", f"head={head}", "baselines=[hf_assisted]"))
+
+
+def test_cli_prints_the_summary_run_returns(questions, tmp_path, capsys):
+    main(["eval", "target=tiny", "head=ngram", f"prompts.path={questions}", "prompts.n=1", "max_new_tokens=6",
+          "repeats=1", "warmup_prompts=0", "progress=false", "plot=false", f"out={tmp_path}"])
+    out = capsys.readouterr().out
+    assert "tau" in out and "speedup" in out and str(tmp_path / "report.md") in out
 
 
 @pytest.mark.parametrize("override", [

@@ -131,6 +131,9 @@ def test_upload_is_one_commit_through_huggingface_hub_without_the_token(evaluate
         assert content == (out / name).read_bytes()
     assert all(r.headers.get("authorization") == f"Bearer {TOKEN}" for r in requests if r.url.path != "/api/agent-harnesses")
 
+    from draftsmith.heads.publish import summary
+
+    print(summary(result))  # what the CLI prints
     printed = capsys.readouterr()
     assert TOKEN not in printed.out + printed.err
     assert "one commit" in printed.out

@@ -82,15 +82,44 @@ def read_state(path: Path) -> dict:
         raise DraftsmithError(f"{path / STATE} cannot be read ({e}).") from None
 
 
-def check_compatible(state: dict, compat: dict, path: Path) -> None:
-    """Refuse a checkpoint of another method or an incompatible config, naming the first field that differs."""
+def saved_layout(state: dict) -> dict:
+    """world_size and grad_accum of the run that wrote a checkpoint (older checkpoints kept them in compat),
+    and its global_batch filled into state["compat"] when that predates the field."""
+    saved = state.setdefault("compat", {})
+    layout = dict(state.get("layout") or {k: saved.get(k) for k in ("world_size", "grad_accum")})
+    if "global_batch" not in saved and None not in (layout.get("world_size"), layout.get("grad_accum")):
+        saved["global_batch"] = saved.get("micro_batch_size", 0) * layout["grad_accum"] * layout["world_size"]
+    return layout
+
+
+def check_compatible(state: dict, compat: dict, path: Path, layout: Optional[dict] = None) -> None:
+    """Refuse a checkpoint of another method or an incompatible config, naming the first field that differs
+    and, for the process layout, what to keep equal. `layout`: this run's world_size and grad_accum."""
     if state.get("method") != compat.get("method"):
         raise DraftsmithError(f"{path} is a {state.get('method')!r} checkpoint; this run trains method={compat.get('method')!r}.")
-    saved = state.get("compat", {})
+    was, now = saved_layout(state), layout or {}
+    saved = state["compat"]
     for key, want in compat.items():
-        if saved.get(key) != want:
-            raise DraftsmithError(f"{path} was written with {key}={saved.get(key)!r}; this run has {key}={want!r}, "
-                                  "so it cannot resume exactly from it.")
+        if saved.get(key) == want:
+            continue
+        if key == "world_size":
+            raise DraftsmithError(
+                f"{path} was written by {saved.get(key)} processes with deepspeed={saved.get('deepspeed')}, whose "
+                f"optimizer state is split per process; this run has {want}. Resume it with nodes x processes per "
+                f"node = {saved.get(key)} and grad_accum={was.get('grad_accum')}; only deepspeed=none checkpoints "
+                f"move to another process count.")
+        if key == "global_batch":
+            per_step = compat["micro_batch_size"] * (now.get("world_size") or 1)
+            fix = (f"set grad_accum={saved[key] // per_step}" if saved.get(key) and saved[key] % per_step == 0 else
+                   f"use a process count that divides {saved.get(key)} / micro_batch_size")
+            raise DraftsmithError(
+                f"{path} was trained with a global batch of {saved.get(key)} (micro_batch_size x grad_accum x "
+                f"processes = {saved.get('micro_batch_size')} x {was.get('grad_accum')} x {was.get('world_size')}); "
+                f"this run's is {want} ({compat['micro_batch_size']} x {now.get('grad_accum')} x "
+                f"{now.get('world_size')}). Keep it equal to resume exactly: with {now.get('world_size')} "
+                f"processes, {fix}.")
+        raise DraftsmithError(f"{path} was written with {key}={saved.get(key)!r}; this run has {key}={want!r}, "
+                              "so it cannot resume exactly from it.")
 
 
 # ---- RNG -----------------------------------------------------------------------------------------
@@ -160,6 +189,12 @@ def write_rng(folder: Path, rank: int) -> None:
 
 
 def read_rng(folder: Path, rank: int) -> None:
+    """This rank's RNG state. A rank the checkpoint's run did not have (resumed on more processes) keeps the RNG
+    seeded at start: nothing in a training step draws from it (no dropout; the data order has its own seeded RNG)."""
+    if not (folder / f"rng_rank{rank}.json").is_file():
+        world = saved_layout(read_state(folder)).get("world_size")
+        if world is not None and rank >= world:
+            return
     js = json.loads((folder / f"rng_rank{rank}.json").read_text())
     set_rng_state(js, load_file(str(folder / f"rng_rank{rank}.safetensors")))
 

@@ -41,13 +41,21 @@ def validate(cfg) -> None:
 
 
 def compat_fields(cfg, identity: dict, world: int, n_train: int, total_steps: int) -> dict:
-    """What a checkpoint must share with this run for exact resume (the method's options included)."""
+    """What a checkpoint must share with this run for exact resume (the method's options included).
+
+    Every optimizer step reads the same global batch (micro_batch_size x grad_accum x world_size), cut into the
+    same micro-batches, whatever the process count (batch_order depends on the global batch only), so the
+    process count may change when the global batch stays. Not under ZeRO: its optimizer state is split per
+    process and DeepSpeed refuses another data-parallel size, so there world_size must stay too."""
     method_options = {f"method.{k}": v for k, v in OmegaConf.to_container(cfg.method, resolve=True).items()}
-    return {"method": cfg.method.name, **method_options, "target_hash": identity["target_hash"],
-            "tokenizer_hash": identity["tokenizer_hash"], "hidden_size": identity["hidden_size"],
-            "deepspeed": cfg.deepspeed.config, "world_size": world, "micro_batch_size": cfg.micro_batch_size,
-            "grad_accum": cfg.grad_accum, "train_samples": n_train, "total_steps": total_steps,
-            "precision": cfg.precision, "seed": cfg.seed}
+    fields = {"method": cfg.method.name, **method_options, "target_hash": identity["target_hash"],
+              "tokenizer_hash": identity["tokenizer_hash"], "hidden_size": identity["hidden_size"],
+              "deepspeed": cfg.deepspeed.config, "micro_batch_size": cfg.micro_batch_size,
+              "global_batch": cfg.micro_batch_size * cfg.grad_accum * world, "train_samples": n_train,
+              "total_steps": total_steps, "precision": cfg.precision, "seed": cfg.seed}
+    if cfg.deepspeed.config != "none":
+        fields["world_size"] = world
+    return fields
 
 
 def seed_everything(seed: int) -> None:
@@ -97,7 +105,8 @@ def find_resume(cfg, out: Path, compat: dict) -> tuple[Path | None, int]:
             raise DraftsmithError(f"out={str(out)!r} already holds training checkpoints; pass resume=true or choose another out.")
         return None, 0
     state = ckpt.read_state(resume)
-    ckpt.check_compatible(state, compat, resume)
+    world = compat["global_batch"] // (cfg.micro_batch_size * cfg.grad_accum)
+    ckpt.check_compatible(state, compat, resume, {"world_size": world, "grad_accum": cfg.grad_accum})
     return resume, state["step"]
 
 
@@ -168,7 +177,8 @@ def run(cfg) -> dict:
     final = out / "final"
     try:
         record = train_loop(w, trainer, train, prepare, method.summarize, out, rank, world, total_steps, start_step,
-                            {"method": method.name, "compat": compat, "mode": mode, "config": config_dict}, logger)
+                            {"method": method.name, "compat": compat, "mode": mode, "config": config_dict,
+                             "layout": {"world_size": world, "grad_accum": cfg.grad_accum}}, logger)
         val_metrics = evaluate(w, val, prepare, method.summarize, trainer, world) if val is not None else {}
         save_final(method, w, drafter, final, identity, rank)
     finally:
