@@ -35,7 +35,6 @@ A resumed run writes the same output as an uninterrupted one: chunk bounds and b
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os

@@ -155,7 +155,7 @@ class Eagle3Proposer(_ModelProposer):
         self._check_room(width)
         hidden = torch.stack([self._h_nodes[parents[i]] if parents[i] >= 0 else self._root_h for i in nodes])[None]
         ids = torch.tensor([tokens[i] for i in nodes], device=self.device)[None]  # (1, n)
-        pos = torch.full((1, len(nodes)), base + depth, device=self.device)  # a depth-d node sits d past entry n-1
+        pos = torch.full((1, len(nodes)), base - 1 + depth, device=self.device)  # a depth-d node sits d past entry n-1
         slots = torch.tensor([base + i for i in nodes], device=self.device)
         mask = self._tree_mask(nodes, base, width, self.device)[None, None]  # (1, 1, n, width)
         h, logits = self.head(ids, hidden, pos, mask, self.cache, slots)

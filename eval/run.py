@@ -136,7 +136,8 @@ def to_sample(category: str, runs: list[GenerationResult]) -> metrics.Sample:
         emitted_per_verification=list(r.emitted_per_verification))
 
 
-def hf_generate_sample(model, tokenizer, prompt: EvalPrompt, cfg, eos: list[int], assistant=None) -> list[metrics.Sample]:
+def hf_generate_sample(model, tokenizer, prompt: EvalPrompt, cfg, eos: list[int],
+                       assistant=None) -> list[metrics.Sample]:
     """transformers' own `generate` (optionally with `assistant_model`) on the first turn; median wall time."""
     ids = torch.tensor([render(tokenizer, prompt, [])], device=model.device)
     kw = dict(max_new_tokens=cfg.max_new_tokens, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
@@ -214,7 +215,8 @@ def prepare(cfg) -> Setup:
     prompts = load_prompts(cfg.prompts)
     target = load_target(cfg.target)
     max_len = runner_max_len(cfg, target.tokenizer, prompts, drafting)
-    return Setup(cfg, sampling, drafting, out, prompts, target, TargetRunner(target.model, max_len, target.aux_layer_ids))
+    runner = TargetRunner(target.model, max_len, target.aux_layer_ids)
+    return Setup(cfg, sampling, drafting, out, prompts, target, runner)
 
 
 def method_proposers(cfg, drafter: Drafter) -> dict[str, Optional[Proposer]]:

@@ -75,7 +75,7 @@ def _export_eagle3(head, folder: Path, manifest_target: Optional[dict], options)
 
 
 def _export_speculators(head, folder: Path, manifest_target: Optional[dict], options) -> Path:
-    from draftsmith.heads.export import save_speculators
+    from draftsmith.heads.speculators import save_speculators
 
     verifier = options.verifier or (manifest_target or {}).get("target_id")
     return save_speculators(head, folder, verifier=verifier, speculative_tokens=options.speculative_tokens,

@@ -10,7 +10,8 @@ from safetensors import safe_open
 
 from draftsmith.cli import main
 from draftsmith.heads.checkpoint import load_eagle3, save_eagle3
-from draftsmith.heads.export import ExportConfig, run, speculators_name
+from draftsmith.heads.export import ExportConfig, run
+from draftsmith.heads.speculators import speculators_name
 from test_heads_checkpoint import EXPECTED_NAMES, logits_of, random_head, random_inputs
 
 

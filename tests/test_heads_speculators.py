@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from draftsmith.heads.eagle3 import ConcatKVCache, ttt_mask
-from draftsmith.heads.export import save_speculators
+from draftsmith.heads.speculators import save_speculators
 from test_heads_checkpoint import random_head
 
 speculators_eagle3 = pytest.importorskip("speculators.models.eagle3")
