@@ -11,6 +11,14 @@ renamed, then recorded in index.json (itself written atomically). A killed job r
 that the index lists with a matching file size and a readable header naming all their samples are
 kept; the rest (missing, truncated, corrupted) are recomputed, so every sample is stored exactly once. Padding is on the right with an attention mask; for a causal
 model the real positions do not see it, and it is stripped per sample before storing.
+
+Ranks (world > 1, every rank on its own device, all sharing `folder`): rank r captures the shards
+s with s % world == r and records them in its own `index.rankNNNNN.json` (the same entries, written
+atomically after each shard); `finished_shards` then reads index.json and every rank's index, so a
+resume keeps finished shards whatever the number of ranks was. Once every shard is finished, one
+rank writes index.json (`write_index`), which drops the per-rank indexes. Shard s holds the same
+samples, computed in the same batches, whatever rank computes it: the output does not depend on
+the number of ranks.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from draftsmith.progress import progress
 from draftsmith.data_gen.target import torch_dtype
 
 INDEX = "index.json"
+RANK_INDEX = "index.rank{:05d}.json"  # a rank's finished shards, while ranks capture together
 
 
 def shard_name(s: int) -> str:
@@ -41,7 +50,7 @@ def tokens_hash(input_ids: list[list[int]]) -> str:
     return h.hexdigest()[:16]
 
 
-def _index_header(target, dtype: str, input_ids: list[list[int]], samples_per_shard: int) -> dict:
+def index_header(target, dtype: str, input_ids: list[list[int]], samples_per_shard: int) -> dict:
     num_samples = len(input_ids)
     return {"tokens_hash": tokens_hash(input_ids), "dtype": dtype, "aux_layer_ids": list(target.aux_layer_ids), "last_hidden_state": "post_final_norm",
             "hidden_size": target.hidden_size, "num_samples": num_samples, "samples_per_shard": samples_per_shard,
@@ -75,12 +84,8 @@ def shard_problem(path: Path, entry: dict) -> str | None:
     return None
 
 
-def _finished_shards(folder: Path, header: dict) -> dict[int, dict]:
-    """Shards a previous run of the same job finished: listed in its index, file readable and complete.
-
-    Anything else (no index, a corrupt one, a missing, truncated or corrupted shard) is recomputed.
-    """
-    path = folder / INDEX
+def _entries(path: Path, folder: Path, header: dict) -> dict[int, dict]:
+    """The usable shards an index file lists (empty for a missing or corrupt index, or another job's)."""
     if not path.is_file():
         return {}
     try:
@@ -97,6 +102,35 @@ def _finished_shards(folder: Path, header: dict) -> dict[int, dict]:
     except (ValueError, KeyError, TypeError, AttributeError):  # a corrupt index: start over
         return {}
     return done
+
+
+def finished_shards(folder: Path, header: dict) -> dict[int, dict]:
+    """Shards a previous run (or another rank) of the same job finished: listed in index.json or a rank's
+    index, file readable and complete.
+
+    Anything else (no index, a corrupt one, a missing, truncated or corrupted shard) is recomputed.
+    """
+    done = {}
+    for path in [folder / INDEX, *sorted(folder.glob(RANK_INDEX.replace("{:05d}", "*")))]:
+        for s, entry in _entries(path, folder, header).items():
+            done.setdefault(s, entry)
+    return done
+
+
+def num_shards(num_samples: int, samples_per_shard: int) -> int:
+    return (num_samples + samples_per_shard - 1) // samples_per_shard
+
+
+def write_index(folder: Path, header: dict, done: dict[int, dict]) -> dict:
+    """The complete index.json (every shard in `done`); shard files and rank indexes it does not need go."""
+    index = {**header, "shards": [done[k] for k in sorted(done)], "complete": True}
+    for stale in folder.glob("shard_*.safetensors"):  # leftovers of a larger earlier job
+        if stale.name not in {e["file"] for e in index["shards"]}:
+            stale.unlink(missing_ok=True)
+    atomic_write_json(folder / INDEX, index)
+    for path in folder.glob(RANK_INDEX.replace("{:05d}", "*")):
+        path.unlink(missing_ok=True)
+    return index
 
 
 def features_batch(target, batch: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -121,19 +155,27 @@ def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> int:
 
 
 def capture_hidden_states(target, input_ids: list[list[int]], folder: str | Path, dtype: str = "bfloat16",
-                          samples_per_shard: int = 256, batch_size: int = 8) -> dict:
-    """Capture features for every sequence into resumable shards; returns the index."""
+                          samples_per_shard: int = 256, batch_size: int = 8, rank: int = 0, world: int = 1
+                          ) -> dict:
+    """Capture features for every sequence into resumable shards; returns the index.
+
+    world > 1: capture only this rank's shards (s % world == rank) and record them in its rank index;
+    returns a partial index (`complete` False; `captured` / `kept`: this rank's shards written / kept). Whoever
+    sees every shard finished (`finished_shards`) then writes index.json with `write_index`.
+    """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     store_dtype = torch_dtype(dtype)
     n = len(input_ids)
-    header = _index_header(target, dtype, input_ids, samples_per_shard)
-    done = _finished_shards(folder, header)
-    num_shards = (n + samples_per_shard - 1) // samples_per_shard
-    total = sum(len(x) for x in input_ids)
-    kept = sum(len(x) for s in done for x in input_ids[s * samples_per_shard:(s + 1) * samples_per_shard])
+    header = index_header(target, dtype, input_ids, samples_per_shard)
+    done = finished_shards(folder, header)
+    mine = [s for s in range(num_shards(n, samples_per_shard)) if s % world == rank]
+    total = sum(len(x) for s in mine for x in input_ids[s * samples_per_shard:(s + 1) * samples_per_shard])
+    kept = sum(len(x) for s in mine if s in done
+               for x in input_ids[s * samples_per_shard:(s + 1) * samples_per_shard])
+    captured = {}
     with progress(total=total, desc="capture", unit="tok", initial=kept) as bar:
-        for s in range(num_shards):
+        for s in mine:
             first, count = s * samples_per_shard, min(samples_per_shard, n - s * samples_per_shard)
             if s in done:
                 continue
@@ -146,11 +188,14 @@ def capture_hidden_states(target, input_ids: list[list[int]], folder: str | Path
                     tensors[f"{i}.last"] = last.to(store_dtype).cpu().contiguous()
                     bar.update(len(input_ids[i]))
             nbytes = _write_shard(folder / shard_name(s), tensors)
-            done[s] = {"file": shard_name(s), "first": first, "count": count, "bytes": nbytes}
-            atomic_write_json(folder / INDEX, {**header, "shards": [done[k] for k in sorted(done)], "complete": False})
-    index = {**header, "shards": [done[k] for k in sorted(done)], "complete": True}
-    for stale in folder.glob("shard_*.safetensors"):  # leftovers of a larger earlier job
-        if stale.name not in {e["file"] for e in index["shards"]}:
-            stale.unlink()
-    atomic_write_json(folder / INDEX, index)
-    return index
+            done[s] = captured[s] = {"file": shard_name(s), "first": first, "count": count, "bytes": nbytes}
+            if world == 1:
+                atomic_write_json(folder / INDEX, {**header, "shards": [done[k] for k in sorted(done)], "complete": False})
+            else:  # only this rank writes this file (ranks never overwrite each other's records); it also
+                # lists what was finished before, so a second kill loses no earlier shard
+                atomic_write_json(folder / RANK_INDEX.format(rank), {
+                    **header, "shards": [done[k] for k in sorted(done)], "complete": False})
+    if world == 1:
+        return write_index(folder, header, done)
+    return {**header, "shards": [captured[k] for k in sorted(captured)], "complete": False,
+            "captured": sorted(captured), "kept": sorted(s for s in mine if s not in captured)}

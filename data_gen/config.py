@@ -98,6 +98,10 @@ class DataGenConfig:
     hidden_states_dtype: str = "bfloat16"  # storage dtype of the captured hidden states
     samples_per_shard: int = 256  # hidden states: samples per shard file
     capture_batch_size: int = 8  # hidden states: samples per target forward
+    # Offline draft distillation (method=draft): the target's top-k log-probs per position (data_gen/topk.py).
+    topk_logits: bool = False  # true: also write the top-k cache (8 * topk_k + 4 bytes per token)
+    topk_k: int = 64  # tokens kept per position (the vocab size makes the divergences exact)
+    topk_temperature: float = 1.0  # log-probs of softmax(logits / topk_temperature); training uses the same
 
     def __post_init__(self):
         checks.at_least("temperature", self.temperature, 0)
@@ -109,4 +113,6 @@ class DataGenConfig:
         checks.one_of("hidden_states_dtype", self.hidden_states_dtype, DTYPES)
         checks.at_least("samples_per_shard", self.samples_per_shard, 1)
         checks.at_least("capture_batch_size", self.capture_batch_size, 1)
+        checks.at_least("topk_k", self.topk_k, 1)
+        checks.positive("topk_temperature", self.topk_temperature)
         checks.at_least("regenerate_chunk", self.regenerate_chunk, 1)

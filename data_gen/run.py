@@ -1,7 +1,7 @@
 """The data-gen stage: prompts -> the target's own conversations -> tokenized set (+ hidden states).
 
     draftsmith data-gen target=smollm2 prompts=self prompts.n=64 out=runs/smol
-    torchrun --nproc-per-node 4 -m draftsmith.cli data-gen ... out=runs/big   # ranks split prompts
+    torchrun --nproc-per-node 4 -m draftsmith.cli data-gen ... out=runs/big   # ranks split prompts and shards
 
 Output (`out/`; see draftsmith.data_gen.dataset for the reader's contract):
   conversations/, tokenized/   datasets saved to disk, written under a temporary name and renamed
@@ -16,9 +16,20 @@ Output (`out/`; see draftsmith.data_gen.dataset for the reader's contract):
 
 Ranks: with RANK / WORLD_SIZE set (torchrun), the prompts are cut into chunks of `regenerate_chunk`;
 rank r takes chunks r, r + world_size, ... and writes `out/parts/rankNNNNN/` (its conversations,
-tokenized rows and counts). The rank that finds every part done (and wins `out/parts/.merge.lock`)
-merges them in prompt order into `out/`, captures hidden states if asked, and writes the manifest.
-With `prompts=self` every rank samples the same seeded prompt set and keeps its chunks.
+tokenized rows, counts and key). The rank that finds every part done (and wins `out/parts/.merge.lock`)
+merges them in prompt order into `out/`. Without hidden states it writes the manifest and the other
+ranks are done. With `hidden_states=true` the other ranks wait for the merged set (out/.data_gen_key
+naming this run's key; DRAFTSMITH_RANK_WAIT_S, default 3600, seconds without any sign of progress
+from the other ranks before giving up), then every rank captures the shards s with
+s % world_size == r on its own device (target.device=cuda means cuda:LOCAL_RANK); the rank that
+finds every shard finished (and wins `out/hidden_states/.finalize.lock`) writes index.json,
+config.yaml and the manifest. With `prompts=self` every rank samples the same seeded prompt set and
+keeps its chunks. The ranks coordinate through these files only (no torch.distributed), so `out`
+must be on a filesystem they all see. If the tokenized set is already finished with this run's key,
+no rank regenerates or merges (every rank captures; without hidden states rank 0 writes the manifest).
+
+The target's weights are loaded the first time they are used (load_target(lazy=True)): a run with
+`backend=openai` and no hidden states reads only the tokenizer, chat template and config.
 
 Resume: a rerun redoes only what its changed settings affect (a killed run is a rerun with no change):
   regeneration   a chunk in regenerated/ is reused when its prompts and every setting that changes
@@ -48,8 +59,9 @@ from omegaconf import OmegaConf
 
 from draftsmith import DraftsmithError
 from draftsmith.data_gen import manifest as mf
-from draftsmith.data_gen.capture import capture_hidden_states
+from draftsmith.data_gen.capture import capture_hidden_states, finished_shards, num_shards, write_index
 from draftsmith.data_gen.prompts import load_prompts
+from draftsmith.data_gen.topk import capture_topk
 from draftsmith.data_gen.regenerate import SamplingParams, make_backend, regenerate_all
 from draftsmith.data_gen.target import load_target, torch_dtype
 from draftsmith.data_gen.tokenize import tokenize_samples
@@ -60,6 +72,7 @@ STATE = ".data_gen_counts.json"  # counts of a finished tokenized set, for resum
 KEY = ".data_gen_key"  # what the finished tokenized set was made from (prompts + settings), for resume
 REGEN = "regenerated"  # finished regeneration chunks
 LOCK = ".data_gen.lock"  # held while a run writes to `out`
+FINALIZE = ".finalize.lock"  # in hidden_states/: held by the rank writing the final index and manifest (ranks)
 
 
 def rank_world() -> tuple[int, int]:
@@ -352,10 +365,20 @@ def mf_read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _claim_merge(out: Path, world: int) -> bool:
+def _part_done(out: Path, rank: int, key: str) -> bool:
+    """Rank `rank`'s part is finished and made with `key` (a part left by an earlier run with other
+    settings is not)."""
+    part = out / "parts" / f"rank{rank:05d}"
+    try:
+        return (part / STATE).is_file() and (part / KEY).read_text() == key
+    except OSError:
+        return False
+
+
+def _claim_merge(out: Path, world: int, key: str) -> bool:
     """True for the one rank that should merge: every part is done and it created the lock."""
     parts = out / "parts"
-    if not all((parts / f"rank{r:05d}" / STATE).is_file() for r in range(world)):
+    if not all(_part_done(out, r, key) for r in range(world)):
         return False
     try:
         os.mkdir(parts / ".merge.lock")
@@ -371,11 +394,14 @@ def run(cfg) -> dict:
                             overwrite=bool(cfg.overwrite))
     rank, world = rank_world()
     check_settings(cfg)  # before loading the target: nothing below may fail late on a bad setting
-    target = load_target(cfg.target)
+    if world > 1:
+        use_rank_device(cfg)
+    target = load_target(cfg.target, lazy=True)  # the weights load where first used (generation, capture)
     identity = target.identity()
     check_out_folder(out, identity)
     mf.claim_output(out, "data_gen")  # before the first write: a rerun then knows the folder as its own
     lock = acquire_lock(out, rank)
+    finalize = None  # the lock of the rank that writes the final index and manifest (ranks, hidden states)
     try:
         samples = load_prompts_cached(cfg, target, identity, out)
         for i, s in enumerate(samples):
@@ -383,27 +409,64 @@ def run(cfg) -> dict:
         settings = regeneration_settings(cfg, identity)
         key = _digest({"prompts": _prompt_fingerprint(samples), "regenerate": settings if cfg.regenerate else None,
                        "tokenize": [identity["tokenizer_hash"], cfg.max_length, cfg.on_overflow, cfg.reasoning]})
+        part_counts = None
         if world == 1:
             build_sets(cfg, target, samples, out, settings, key)
-        elif not build_part_or_merge(cfg, target, samples, out, settings, key, rank, world):
-            return {"out": str(out), "rank": rank, "world_size": world, "merged": False,
-                    "counts": mf_read_json(out / "parts" / f"rank{rank:05d}" / STATE),
-                    "seconds": round(time.perf_counter() - t0, 2)}
-        mf.atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
+        else:
+            state, part_counts = build_part_or_merge(cfg, target, samples, out, settings, key, rank, world)
+            if not cfg.hidden_states and not (state == "merged" or (state == "ready" and rank == 0)):
+                return {"out": str(out), "rank": rank, "world_size": world, "merged": False, "state": state,
+                        "captured": None, "counts": part_counts or mf_read_json(out / STATE),
+                        "seconds": round(time.perf_counter() - t0, 2)}
+            if state == "part":  # (hidden states) the last rank to finish its part merges: wait for it
+                wait_for_merged_set(out, key, rank, world)
+        if world == 1 or not cfg.hidden_states:
+            mf.atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
         counts = mf_read_json(out / STATE)
         if counts["samples"] == 0:
             raise DraftsmithError(f"no sample survived data-gen (counts: {counts}); nothing usable in {out}.")
-        hidden = capture(cfg, target, out)
-        mf.write_manifest(out, stage="data_gen", target=identity, counts=counts, hidden_states=hidden)
+        hidden = capture(cfg, target, out, rank, world)
+        if world > 1 and cfg.hidden_states:
+            captured = {k: hidden.pop(k) for k in ("captured", "kept")}
+            finalize = hidden.pop("finalize")
+            if finalize is None:  # another rank's shards are not all there yet, or it writes the index
+                return {"out": str(out), "rank": rank, "world_size": world, "merged": False, "state": state,
+                        "captured": captured, "counts": part_counts or counts,
+                        "seconds": round(time.perf_counter() - t0, 2)}
+            mf.atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
+        topk = capture_topk(cfg, target, out)  # draft distillation's offline signal (data_gen/topk.py)
+        mf.write_manifest(out, stage="data_gen", target=identity, counts=counts, hidden_states=hidden,
+                          topk_logits=topk)
     finally:
+        if finalize is not None:
+            release_lock(finalize)
         release_lock(lock)
     return {"out": str(out), "rank": rank, "world_size": world, "merged": True, "counts": counts,
             "hidden_states": hidden, "seconds": round(time.perf_counter() - t0, 2)}
 
 
+def use_rank_device(cfg) -> None:
+    """Ranks: target.device=cuda means this rank's GPU, cuda:LOCAL_RANK (modulo the visible GPUs: a
+    launcher that gives each rank its own CUDA_VISIBLE_DEVICES leaves LOCAL_RANK unset, hence cuda:0)."""
+    if cfg.target.device != "cuda":
+        return
+    import torch
+
+    count = max(torch.cuda.device_count(), 1)
+    cfg.target.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % count}"
+
+
 def summary(result: dict) -> str:
     """The line the CLI prints after a run."""
     c = result["counts"]
+    if not result["merged"] and result.get("captured"):
+        got = result["captured"]
+        return (f"data-gen rank {result['rank']}/{result['world_size']}: captured hidden-state shards "
+                f"{got['captured']} (kept {got['kept']}) in {result['out']}/hidden_states ({result['seconds']} s); "
+                f"the last rank to finish writes the index and the manifest.")
+    if not result["merged"] and result.get("state") == "ready":
+        return (f"data-gen rank {result['rank']}/{result['world_size']}: the tokenized set in {result['out']} was "
+                f"already finished ({c['samples']} samples); rank 0 writes the manifest.")
     if not result["merged"]:
         return (f"data-gen rank {result['rank']}/{result['world_size']}: {c['samples']} samples in {result['out']}/parts "
                 f"({result['seconds']} s); the last rank to finish merges.")
@@ -436,27 +499,114 @@ def build_sets(cfg, target, samples: list[dict], out: Path, settings: dict, key:
     _drop_extra_chunks(out, _num_chunks(cfg, samples))
 
 
+def _set_ready(out: Path, key: str) -> bool:
+    """The tokenized set in `out` is finished and was made with `key`."""
+    try:
+        return (out / KEY).read_text() == key and (out / STATE).is_file()
+    except OSError:
+        return False
+
+
 def build_part_or_merge(cfg, target, samples: list[dict], out: Path, settings: dict, key: str,
-                        rank: int, world: int) -> bool:
+                        rank: int, world: int) -> tuple[str, dict | None]:
     """Several ranks: write this rank's chunks as a part; the last rank to finish merges every part
-    into out/ and returns True (the others return False)."""
+    into out/. Returns (state, this rank's part counts): state is "merged" (this rank merged), "part"
+    (another rank merges) or "ready" (the tokenized set was already finished with this key: nothing
+    regenerated nor merged, by any rank)."""
+    if _set_ready(out, key):
+        return "ready", None
     part = out / "parts" / f"rank{rank:05d}"
     chunk_ids = range(rank, _num_chunks(cfg, samples), world)
     n_mine = sum(len(samples[k * cfg.regenerate_chunk:(k + 1) * cfg.regenerate_chunk]) for k in chunk_ids)
     conversations, rows, counts = generate_part(cfg, target, samples, out, settings, chunk_ids)
-    write_sets(part, conversations, rows, _count(rows, counts, n_mine), keep_order=True)
-    if not _claim_merge(out, world):
-        return False
+    (part / KEY).unlink(missing_ok=True)
+    part_counts = _count(rows, counts, n_mine)
+    write_sets(part, conversations, rows, part_counts, keep_order=True)
+    mf.atomic_write_bytes(part / KEY, key.encode())
+    if not _claim_merge(out, world, key):
+        return "part", part_counts
     _unfinish(out)
     merge_parts(out, world)
     mf.atomic_write_bytes(out / KEY, key.encode())
     _drop_extra_chunks(out, _num_chunks(cfg, samples))
     shutil.rmtree(out / "parts", ignore_errors=True)
-    return True
+    return "merged", part_counts
 
 
-def capture(cfg, target, out: Path) -> dict | None:
-    """Offline mode: the hidden states of the tokenized set (finished shards kept); None otherwise."""
+def _progress_signs(out: Path, world: int) -> tuple:
+    """What changes while some rank works (folder times change as files are renamed into them):
+    regeneration chunks written, parts written, the merge's temporary folders in out/."""
+    signs = []
+    for folder in (out / REGEN, out / "parts", out, *(out / "parts" / f"rank{r:05d}" for r in range(world))):
+        try:
+            signs.append(folder.stat().st_mtime_ns)
+        except OSError:
+            signs.append(None)
+    return tuple(signs)
+
+
+def wait_for_merged_set(out: Path, key: str, rank: int, world: int, poll_s: float = 1.0) -> None:
+    """Wait until the merging rank has written the tokenized set of this run (out/.data_gen_key == key).
+
+    Gives up after DRAFTSMITH_RANK_WAIT_S seconds (default 3600) in which nothing the ranks write
+    changed (regeneration chunks, parts, the merge), naming the ranks whose part is missing.
+    """
+    limit = float(os.environ.get("DRAFTSMITH_RANK_WAIT_S", 3600))
+    signs, since, noted = _progress_signs(out, world), time.monotonic(), time.monotonic()
+    while not _set_ready(out, key):
+        now = time.monotonic()
+        waiting = [r for r in range(world) if not _part_done(out, r, key)]
+        if now - noted >= 300:
+            print(f"data-gen rank {rank}: waiting for the merged tokenized set"
+                  f"{f' (ranks {waiting} are still on their parts)' if waiting else ' (a rank is merging)'}.",
+                  file=sys.stderr, flush=True)
+            noted = now
+        new = _progress_signs(out, world)
+        if new != signs:
+            signs, since = new, now
+        elif now - since > limit:
+            why = (f"ranks {waiting} never finished their parts in {out / 'parts'}: see their logs" if waiting else
+                   f"every part is done but no rank merged them; if no data-gen runs there, a killed merge left "
+                   f"{out / 'parts' / '.merge.lock'}: delete it and rerun")
+            raise DraftsmithError(f"data-gen rank {rank}: no progress from the other ranks for {limit:g} s "
+                                  f"(DRAFTSMITH_RANK_WAIT_S) while waiting for the merged tokenized set; {why}.")
+        time.sleep(poll_s)
+
+
+def _claim_file(path: Path) -> Path | None:
+    """Create `path` (pid, host) atomically; None when another live process holds it. A file left by a
+    dead process of this host is taken over (one on another host cannot be checked: it is respected)."""
+    me = {"pid": os.getpid(), "host": socket.gethostname()}
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                holder = json.loads(path.read_text())
+                pid, host = int(holder["pid"]), str(holder["host"])
+            except FileNotFoundError:
+                continue
+            except (ValueError, KeyError, TypeError):  # being written, or its writer died before writing it
+                if time.time() - path.stat().st_mtime < 10:
+                    return None
+                pid, host = -1, me["host"]
+            if host == me["host"] and (pid <= 0 or not _pid_alive(pid)):
+                path.unlink(missing_ok=True)
+                continue
+            return None
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        return path
+    return None
+
+
+def capture(cfg, target, out: Path, rank: int = 0, world: int = 1) -> dict | None:
+    """Offline mode: the hidden states of the tokenized set (finished shards kept); None otherwise.
+
+    Ranks: this rank's shards; the rank that then finds every shard finished and wins the finalize
+    lock writes index.json. Its lock is returned under "finalize" (None for the other ranks), with
+    this rank's "captured" and "kept" shards.
+    """
     if not cfg.hidden_states:
         if (out / "hidden_states").exists():
             shutil.rmtree(out / "hidden_states")
@@ -464,8 +614,31 @@ def capture(cfg, target, out: Path) -> dict | None:
     import datasets
 
     ids = datasets.load_from_disk(str(out / "tokenized"))["input_ids"]
-    index = capture_hidden_states(target, ids, out / "hidden_states", cfg.hidden_states_dtype,
-                                  cfg.samples_per_shard, cfg.capture_batch_size)
+    folder = out / "hidden_states"
+    index = capture_hidden_states(target, ids, folder, cfg.hidden_states_dtype,
+                                  cfg.samples_per_shard, cfg.capture_batch_size, rank, world)
     hidden = {k: index[k] for k in ("dtype", "aux_layer_ids", "last_hidden_state", "hidden_size")}
-    hidden["shards"] = len(index["shards"])
+    if world == 1:
+        hidden["shards"] = len(index["shards"])
+        return hidden
+    print(f"capture: rank {rank}/{world} captured shards {index['captured']}, kept {index['kept']}.",
+          file=sys.stderr, flush=True)
+    hidden.update(captured=index["captured"], kept=index["kept"], finalize=None)
+    header = {k: v for k, v in index.items() if k not in ("shards", "complete", "captured", "kept")}
+    total = num_shards(len(ids), cfg.samples_per_shard)
+    if len(finished_shards(folder, header)) < total:
+        return hidden  # a rank still captures: the last one writes the index
+    finalize = _claim_file(folder / FINALIZE)
+    if finalize is None:
+        print(f"capture: rank {rank}/{world}: every shard is finished; the rank holding {folder / FINALIZE} writes "
+              f"the index and the manifest (if no data-gen runs, a killed one left it: delete it and rerun).",
+              file=sys.stderr, flush=True)
+        return hidden
+    done = finished_shards(folder, header)  # again, under the lock
+    if len(done) < total:  # (a shard went bad meanwhile: a rerun recomputes it)
+        release_lock(finalize)
+        raise DraftsmithError(f"hidden-state shards of {folder} went missing or bad while the ranks finished; "
+                              f"rerun the same command (finished shards are kept).")
+    write_index(folder, header, done)
+    hidden.update(shards=total, finalize=finalize)
     return hidden

@@ -106,15 +106,26 @@ def tokenizer_hash(tokenizer) -> str:
 
 
 class Target:
-    """A frozen causal LM plus its tokenizer and identity."""
+    """A frozen causal LM plus its tokenizer and identity.
 
-    def __init__(self, model: PreTrainedModel, tokenizer, target_id: str, target_hash: str,
-                 aux_layer_ids: Optional[list[int]] = None):
-        self.model = model.eval().requires_grad_(False)
+    Built with `model=None` and `load_model` (load_target(..., lazy=True)), it knows its tokenizer,
+    config and identity without the weights and loads them the first time `model` is used.
+    """
+
+    def __init__(self, model: Optional[PreTrainedModel], tokenizer, target_id: str, target_hash: str,
+                 aux_layer_ids: Optional[list[int]] = None, *, config=None, generation_config=None,
+                 load_model=None):
+        if model is None and (config is None or load_model is None):
+            raise ValueError("Target without a model needs its config and a load_model callable.")
+        self._model: Optional[PreTrainedModel] = None
+        self._load_model = load_model
+        self._generation_config = generation_config
+        if model is not None:
+            self._set_model(model)
         self.tokenizer = tokenizer
         self.target_id = target_id
         self.target_hash = target_hash
-        cfg = model.config
+        cfg = config if config is not None else model.config
         self.num_layers: int = cfg.num_hidden_layers
         self.hidden_size: int = cfg.hidden_size
         self.vocab_size: int = cfg.vocab_size
@@ -123,6 +134,22 @@ class Target:
             if not 0 <= i <= self.num_layers:
                 raise DraftsmithError(f"target.aux_layer_ids has {i}, outside 0..{self.num_layers}.")
         self.tokenizer_hash = tokenizer_hash(tokenizer)
+
+    def _set_model(self, model: PreTrainedModel) -> None:
+        self._model = model.eval().requires_grad_(False)
+        self._generation_config = model.generation_config
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """The model; a lazily built target loads its weights here, once."""
+        if self._model is None:
+            self._set_model(self._load_model())
+            self._load_model = None
+        return self._model
+
+    @property
+    def model_loaded(self) -> bool:
+        return self._model is not None
 
     @property
     def device(self) -> torch.device:
@@ -134,7 +161,8 @@ class Target:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        ids = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        gen = self._generation_config  # the model's own once loaded; read from the files before
+        ids = gen.eos_token_id if gen else None
         ids = ids if ids is not None else self.tokenizer.eos_token_id
         ids = [ids] if isinstance(ids, int) else list(ids or [])
         end = self.tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in self.tokenizer.get_vocab() else None
@@ -172,22 +200,57 @@ class Target:
         return self.model.lm_head(last_hidden_state)
 
 
-def load_target(cfg: TargetConfig) -> Target:
-    """Build a Target from its config: preset, GGUF file, or HF folder / hub id."""
+@dataclass
+class _Loaded:
+    """What a loader reads without the weights, and how to build the model (called once, or never)."""
+
+    tokenizer: object
+    target_hash: str
+    config: object  # the model's transformers config
+    generation_config: object  # what the model's own generation_config will be
+    build: object  # () -> PreTrainedModel (weights loaded, on the CPU, in the requested dtype)
+
+
+def load_target(cfg: TargetConfig, lazy: bool = False) -> Target:
+    """Build a Target from its config: preset, GGUF file, or HF folder / hub id.
+
+    lazy=True reads only the tokenizer, chat template, config and identity (the same target_hash as a
+    full load: it never depends on the weights' values) and loads the weights the first time
+    `target.model` is used, e.g. by a data-gen that regenerates on a server and captures nothing.
+    A GGUF file not yet in the cache is dequantised into it first (its weights are read once).
+    """
     name = cfg.name
     if name in PRESETS:
-        model, tokenizer, target_hash = PRESETS[name](cfg)
+        loaded = PRESETS[name](cfg)
     elif name.endswith(".gguf"):
         if not Path(name).is_file():
             raise DraftsmithError(f"target.name={name!r}: no such GGUF file.")
-        model, tokenizer, target_hash = _load_gguf(Path(name), cfg)
+        loaded = _load_gguf(Path(name), cfg)
     else:
-        model, tokenizer, target_hash = _load_hf(name, cfg)
-    tokenizer = _with_chat_template(tokenizer, cfg, name)
+        loaded = _load_hf(name, cfg)
+    tokenizer = _with_chat_template(loaded.tokenizer, cfg, name)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = model.to(device=cfg.device, dtype=torch_dtype(cfg.dtype))
-    return Target(model, tokenizer, target_id=name, target_hash=target_hash, aux_layer_ids=cfg.aux_layer_ids)
+
+    def build() -> PreTrainedModel:
+        return loaded.build().to(device=cfg.device, dtype=torch_dtype(cfg.dtype))
+
+    target = Target(None, tokenizer, target_id=name, target_hash=loaded.target_hash, aux_layer_ids=cfg.aux_layer_ids,
+                    config=loaded.config, generation_config=loaded.generation_config, load_model=build)
+    if not lazy:
+        target.model  # noqa: B018 (load the weights now)
+    return target
+
+
+def _generation_config(name: str | os.PathLike, revision: Optional[str] = None):
+    """The generation config from_pretrained gives a model: generation_config.json, else config.json."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(name, revision=revision)
+    except OSError:
+        return GenerationConfig.from_pretrained(name, revision=revision, config_file_name="config.json",
+                                                _from_model_config=True)
 
 
 def _with_chat_template(tokenizer, cfg: TargetConfig, name: str):
@@ -217,15 +280,18 @@ def _load_hf(name: str, cfg: TargetConfig):
             f"and transformers could not load it as an HF folder or hub id ({str(e).splitlines()[0]})."
         ) from None
     tokenizer = AutoTokenizer.from_pretrained(name, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(
-        name, revision=cfg.revision, dtype=torch_dtype(cfg.dtype), trust_remote_code=cfg.trust_remote_code)
     h = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode())
     if is_dir:
         for f in sorted(Path(name).glob("*.safetensors")):
             h.update(f"{f.name}:{f.stat().st_size}".encode())
     else:
         h.update(f"{name}@{cfg.revision or 'main'}".encode())
-    return model, tokenizer, h.hexdigest()[:16]
+
+    def build():
+        return AutoModelForCausalLM.from_pretrained(
+            name, revision=cfg.revision, dtype=torch_dtype(cfg.dtype), trust_remote_code=cfg.trust_remote_code)
+
+    return _Loaded(tokenizer, h.hexdigest()[:16], config, _generation_config(name, cfg.revision), build)
 
 
 def _gguf_architecture(path: Path) -> str:
@@ -249,9 +315,9 @@ def _load_gguf(path: Path, cfg: TargetConfig):
                 f"{path} is a GGUF of architecture {arch!r}; draftsmith supports {', '.join(SUPPORTED_GGUF_ARCHS)}."
             )
         _cache_gguf_as_safetensors(path, cached)
-    model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch_dtype(cfg.dtype))
     tokenizer = AutoTokenizer.from_pretrained(cached)
-    return model, tokenizer, digest
+    return _Loaded(tokenizer, digest, AutoConfig.from_pretrained(cached), _generation_config(cached),
+                   lambda: AutoModelForCausalLM.from_pretrained(cached, dtype=torch_dtype(cfg.dtype)))
 
 
 def _cache_gguf_as_safetensors(path: Path, cached: Path) -> None:
@@ -335,19 +401,28 @@ def tiny_model_config(vocab_size: int, num_layers: int = 8, hidden_size: int = 6
 
 
 def _load_tiny(cfg: TargetConfig, seed: int = 0):
-    from transformers import LlamaForCausalLM
+    from transformers import GenerationConfig
 
     tokenizer = tiny_tokenizer()
     config = tiny_model_config(len(tokenizer))
     config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config.pad_token_id = tokenizer.pad_token_id
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.generation_config.pad_token_id = config.pad_token_id
+    generation_config = GenerationConfig.from_model_config(config)
+    generation_config.eos_token_id = config.eos_token_id
+    generation_config.pad_token_id = config.pad_token_id
     h = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode() + f"seed{seed}".encode())
-    return model, tokenizer, h.hexdigest()[:16]
+
+    def build():
+        from transformers import LlamaForCausalLM
+
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = LlamaForCausalLM(config)
+        model.generation_config.eos_token_id = config.eos_token_id
+        model.generation_config.pad_token_id = config.pad_token_id
+        return model
+
+    return _Loaded(tokenizer, h.hexdigest()[:16], config, generation_config, build)
 
 
 PRESETS = {"smollm2": _load_smollm2, "tiny": _load_tiny}

@@ -94,14 +94,15 @@ class ConcatKVCache:
 
 
 class Eagle3Attention(nn.Module):
-    """Attention whose q/k/v project from the 2H-wide [embedding; hidden] input."""
+    """Attention whose q/k/v project from the 2H-wide [embedding; hidden] input (`in_dim` = H for the
+    plain layers P-EAGLE stacks after this one)."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, in_dim: Optional[int] = None):
         super().__init__()
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        in_dim = 2 * config.hidden_size
+        in_dim = in_dim or 2 * config.hidden_size
         self.q_proj = nn.Linear(in_dim, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(in_dim, self.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(in_dim, self.n_kv_heads * self.head_dim, bias=False)

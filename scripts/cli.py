@@ -114,13 +114,14 @@ def option_rows(cls, node, prefix: str = ""):
         yield name, "???" if missing else _show(child), doc
 
 
-def option_help(command: str, config_name: str) -> str:
-    """`draftsmith <command> --help`: every option with its default (as the stage's YAML sets it) and description."""
+def option_help(command: str, config_name: str, overrides: list[str] = ()) -> str:
+    """`draftsmith <command> --help`: every option with its default (as the stage's YAML sets it) and description
+    (`method=draft --help`: with that option group's options)."""
     from pathlib import Path
 
     import draftsmith.configs as configs
 
-    cfg = configs.compose(config_name)
+    cfg = configs.compose(config_name, [o for o in overrides if not o.startswith('-')])
     rows = list(option_rows(configs.schema(config_name), cfg))
     summary = next((ln.split(None, 1)[1] for ln in USAGE.splitlines() if ln.strip().startswith(command + " ")), "")
     width = min(max(len(f"{n}={d}") for n, d, _ in rows), 44)
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
             print(version())
             sys.exit(0)
         if "-h" in overrides or "--help" in overrides:
-            print(option_help(command, config_name))
+            print(option_help(command, config_name, overrides))
             sys.exit(0)
         # Build and check the config before any work: a bad value, type or key is one sentence, exit 2.
         from hydra._internal.utils import get_args_parser

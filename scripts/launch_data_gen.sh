@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # data-gen at scale: N inference servers (vllm serve or SGLang) per node, one data-gen rank per server, the
-# prompts sharded across all ranks (rank r of W takes chunks r, r+W, ...; the last rank to finish merges).
+# prompts sharded across all ranks (rank r of W takes chunks r, r+W, ...; the last rank to finish merges) and,
+# with hidden_states=true, the hidden-state shards too (rank r captures shards r, r+W, ...; the last rank to
+# finish writes the index and the manifest).
 # Run it once on every node with the same arguments and NODE_RANK = 0 .. NNODES-1; out= must be on a
 # filesystem every node sees.
 #
@@ -12,12 +14,16 @@
 #   ENGINE       vllm (default) | sglang
 #   TP           GPUs per server (tensor parallel, default 1); SERVERS = GPUS_PER_NODE / TP per node
 #   BASE_PORT    server i of a node listens on BASE_PORT + i (default 8000)
+#   SERVER_ARGS  extra arguments for every server, e.g. "--gpu-memory-utilization 0.6" to leave room on the GPU
+#                for the target's copy that captures hidden states
 #   DRY_RUN=1    print the exact command lines (servers and data-gen ranks) and run nothing
 #
 # Every rank calls data-gen with backend=openai and its own server's URL; the other overrides are passed
-# through. Regeneration runs on the servers; with hidden_states=true the merging rank then captures the hidden
-# states on its own device (target.device=cuda); at scale, capture them in a separate job over the finished
-# data (see the README). The servers are stopped when the ranks of this node are done.
+# through. Regeneration runs on the servers, so without hidden states a rank loads only the target's tokenizer
+# and config, never its weights. With hidden_states=true (and target.device=cuda) every rank loads the target
+# on GPU LOCAL_RANK of its node (LOCAL_RANK = its server's index) once the merged tokenized set is there, and
+# captures its shards beside the running servers (see SERVER_ARGS). The servers are stopped when the ranks of
+# this node are done.
 set -euo pipefail
 
 gpu_count() {
@@ -37,6 +43,7 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-$(gpu_count)}
 TP=${TP:-1}
 BASE_PORT=${BASE_PORT:-8000}
 SERVER_WAIT_S=${SERVER_WAIT_S:-1800}
+read -r -a SERVER_EXTRA <<<"${SERVER_ARGS:-}"
 SERVERS=$((GPUS_PER_NODE / TP))
 if [ "$SERVERS" -lt 1 ]; then
     echo "launch_data_gen.sh: TP=$TP is more than the node's $GPUS_PER_NODE GPUs." >&2
@@ -49,8 +56,10 @@ server_command() { # server_command <index on this node>
     gpus=$(seq -s, $((i * TP)) $((i * TP + TP - 1)))
     printf 'env CUDA_VISIBLE_DEVICES=%s ' "$gpus" # digits and commas: nothing to quote
     case "$ENGINE" in
-        vllm) printf '%q ' vllm serve "$MODEL" --port "$port" --tensor-parallel-size "$TP" ;;
-        sglang) printf '%q ' python -m sglang.launch_server --model-path "$MODEL" --port "$port" --tp-size "$TP" ;;
+        vllm) printf '%q ' vllm serve "$MODEL" --port "$port" --tensor-parallel-size "$TP" \
+            ${SERVER_EXTRA[@]+"${SERVER_EXTRA[@]}"} ;;
+        sglang) printf '%q ' python -m sglang.launch_server --model-path "$MODEL" --port "$port" --tp-size "$TP" \
+            ${SERVER_EXTRA[@]+"${SERVER_EXTRA[@]}"} ;;
         *) echo "launch_data_gen.sh: ENGINE=$ENGINE is not vllm or sglang." >&2; exit 2 ;;
     esac
 }
@@ -58,7 +67,7 @@ server_command() { # server_command <index on this node>
 rank_command() { # rank_command <node> <index on the node> <overrides...>
     local node=$1 i=$2
     shift 2
-    printf '%q ' env RANK=$((node * SERVERS + i)) WORLD_SIZE="$WORLD" draftsmith data-gen "$@" \
+    printf '%q ' env RANK=$((node * SERVERS + i)) LOCAL_RANK="$i" WORLD_SIZE="$WORLD" draftsmith data-gen "$@" \
         backend=openai "backend.url=http://127.0.0.1:$((BASE_PORT + i))/v1"
 }
 

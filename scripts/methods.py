@@ -14,7 +14,8 @@ proposer); its entry only names them. Adding a method is one entry plus its own 
            summarize=f(stats) -> dict, save=f(drafter, folder, target_identity) -> Path,
            load=f(folder, target) -> drafter, proposer=f(drafter, target_vocab_size, max_len) -> Proposer,
            formats={format: f(drafter, folder, manifest_target, options) -> Path},
-           card=f(base_model, repo_id, eval_report, k, formats, train_config) -> the model card's parts)
+           card=f(base_model, repo_id, eval_report, k, formats, train_config) -> the model card's parts,
+           offline_data=<the data-gen output mode=offline reads: hidden_states | topk_logits>)
 
 A method without `config` can be evaluated (its folders loaded and drafted with) but not trained.
 """
@@ -43,6 +44,8 @@ class Method:
     formats: dict[str, Callable] = field(default_factory=dict)  # export format -> writer
     foreign_architectures: dict[str, str] = field(default_factory=dict)  # loadable elsewhere only: why not here
     card: Optional[Callable] = None  # publish: (base_model, repo_id, report, k, formats, train config) -> card parts
+    offline_data: str = "hidden_states"  # what mode=offline reads from a data-gen folder (its manifest key)
+    claims: Optional[Callable] = None  # (config.json dict) -> bool: which folders of a shared architecture are its
 
 
 # ---- EAGLE-3 ------------------------------------------------------------------------------------
@@ -102,7 +105,64 @@ def _eagle3_entry() -> Method:
                                                    "EAGLE-3 folder it was exported from"})
 
 
-# ---- a draft model: any HF causal LM sharing the target's tokenizer (training: issue 9) ----------
+# ---- P-EAGLE: EAGLE-3's architecture drafting K tokens in one forward (parallel_drafting folders) -------
+
+def _load_peagle(folder: Path, target=None):
+    from draftsmith.heads.peagle_folders import load_peagle
+
+    if target is None:
+        return load_peagle(folder)
+    config = read_folder_config(folder)
+    hidden = config.get("target_hidden_size") or config.get("hidden_size")
+    if hidden != target.hidden_size:  # the fc layer reads the target's features
+        raise DraftsmithError(f"head {folder} reads target hidden size {hidden}, but target {target.target_id!r} "
+                              f"has {target.hidden_size}: it was made for another target.")
+    return load_peagle(folder, device=target.device, dtype=target.dtype,
+                       target_embeddings=target.model.get_input_embeddings())
+
+
+def _save_peagle(head, folder: Path, identity: dict) -> Path:
+    from draftsmith.heads.peagle_folders import save_peagle
+
+    return save_peagle(head, folder, manifest_target=identity)
+
+
+def _export_peagle(head, folder: Path, manifest_target: Optional[dict], options) -> Path:
+    from draftsmith.heads.peagle_folders import save_peagle
+
+    return save_peagle(head, folder, manifest_target=manifest_target, dtype=options.dtype,
+                       include_embeddings=options.include_embeddings, stage="export")
+
+
+def _export_speculators_peagle(head, folder: Path, manifest_target: Optional[dict], options) -> Path:
+    from draftsmith.heads.peagle_folders import save_speculators_peagle
+
+    verifier = options.verifier or (manifest_target or {}).get("target_id")
+    return save_speculators_peagle(head, folder, verifier=verifier, speculative_tokens=options.speculative_tokens,
+                                   manifest_target=manifest_target, dtype=options.dtype,
+                                   include_embeddings=options.include_embeddings)
+
+
+def _peagle_proposer(head, target_vocab_size: int, max_len: int):
+    from draftsmith.eval.proposers import PEagleProposer
+
+    return PEagleProposer(head, target_vocab_size, max_len)
+
+
+def _peagle_entry() -> Method:
+    from draftsmith.heads.peagle_folders import is_peagle_folder, peagle_card
+    from draftsmith.train import eagle3, peagle
+
+    return Method(
+        name="peagle", config=peagle.PEagleConfig, architectures=("LlamaForCausalLMEagle3",), claims=is_peagle_folder,
+        new_drafter=peagle.new_peagle, training=peagle.peagle_training, summarize=eagle3.summarize,
+        save=_save_peagle, load=_load_peagle, proposer=_peagle_proposer,
+        formats={"peagle": _export_peagle, "speculators": _export_speculators_peagle}, card=peagle_card,
+        foreign_architectures={"PEagleDraftModel": "the speculators format (vLLM loads it); give the P-EAGLE "
+                                                   "folder it was exported from"})
+
+
+# ---- a draft model: any HF causal LM sharing the target's tokenizer (trained by train/draft.py) -----
 
 def _load_draft_model(folder: Path, target=None):
     from transformers import AutoModelForCausalLM
@@ -112,19 +172,30 @@ def _load_draft_model(folder: Path, target=None):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()
 
 
+def _save_draft(drafter, folder: Path, identity: dict) -> Path:
+    from draftsmith.heads.draft import save_draft
+
+    return save_draft(drafter, folder, manifest_target=identity)
+
+
 def _draft_model_proposer(model, target_vocab_size: int, max_len: int):
     from draftsmith.eval.proposers import DraftModelProposer
 
     return DraftModelProposer(model, target_vocab_size, max_len)
 
 
-def _draft_model_entry() -> Method:
-    return Method(name="draft_model", load=_load_draft_model, proposer=_draft_model_proposer)
+def _draft_entry() -> Method:
+    """The catch-all (architectures=()): any HF causal-LM folder is evaluated as a draft model."""
+    from draftsmith.train import draft
+
+    return Method(name="draft", config=draft.DraftConfig, new_drafter=draft.new_draft,
+                  training=draft.draft_training, summarize=draft.summarize, save=_save_draft,
+                  load=_load_draft_model, proposer=_draft_model_proposer, offline_data="topk_logits")
 
 
 # ---- the table ----------------------------------------------------------------------------------
 
-_ENTRIES = (_eagle3_entry, _draft_model_entry)
+_ENTRIES = (_eagle3_entry, _peagle_entry, _draft_entry)
 METHODS: dict[str, Method] = {}
 
 
@@ -176,10 +247,11 @@ def method_for_folder(folder: Path, config: Optional[dict] = None) -> Method:
     config = read_folder_config(folder) if config is None else config
     arch = (config.get("architectures") or [None])[0]
     catch_all = None
-    for entry in methods().values():
+    entries = sorted(methods().values(), key=lambda e: e.claims is None)  # a claim beats the bare architecture
+    for entry in entries:
         if arch in entry.foreign_architectures:
             raise DraftsmithError(f"{folder} is in {entry.foreign_architectures[arch]}.")
-        if arch in entry.architectures:
+        if arch in entry.architectures and (entry.claims is None or entry.claims(config)):
             return entry
         if not entry.architectures:
             catch_all = entry
@@ -190,4 +262,4 @@ def method_for_folder(folder: Path, config: Optional[dict] = None) -> Method:
 
 
 def export_formats() -> list[str]:
-    return [fmt for entry in methods().values() for fmt in entry.formats]
+    return list(dict.fromkeys(fmt for entry in methods().values() for fmt in entry.formats))  # each name once

@@ -101,3 +101,30 @@ def test_capture_redoes_a_corrupt_shard_of_the_right_size(tiny_target, tmp_path)
     (tmp_path / "index.json").write_text("{not json")  # a corrupt index: everything recaptured
     capture_hidden_states(tiny_target, SEQS, tmp_path, samples_per_shard=4)
     assert shard_bytes(tmp_path) == good
+
+
+def test_ranks_capture_their_shards_and_resume_with_another_world_size(tiny_target, tmp_path, monkeypatch):
+    full = tmp_path / "full"
+    capture_hidden_states(tiny_target, SEQS, full, samples_per_shard=2, batch_size=3)
+    folder = tmp_path / "ranks"
+    part = capture_hidden_states(tiny_target, SEQS, folder, samples_per_shard=2, batch_size=3, rank=1, world=2)
+    assert part["captured"] == [1, 3] and not part["complete"] and not (folder / "index.json").exists()
+    assert sorted(p.name for p in folder.glob("index.rank*")) == ["index.rank00001.json"]
+
+    # rank 0 is killed after its first shard
+    real_write = cap._write_shard
+    monkeypatch.setattr(cap, "_write_shard", lambda p, t: (_ for _ in ()).throw(KeyboardInterrupt("killed"))
+                        if p.name == "shard_00002.safetensors" else real_write(p, t))
+    with pytest.raises(KeyboardInterrupt):
+        capture_hidden_states(tiny_target, SEQS, folder, samples_per_shard=2, batch_size=3, rank=0, world=2)
+    header = cap.index_header(tiny_target, "bfloat16", SEQS, 2)
+    assert sorted(cap.finished_shards(folder, header)) == [0, 1, 3]
+
+    # a rerun on one process keeps the three finished shards and computes shard 2 alone
+    recomputed = []
+    monkeypatch.setattr(cap, "_write_shard", lambda p, t: recomputed.append(p.name) or real_write(p, t))
+    index = capture_hidden_states(tiny_target, SEQS, folder, samples_per_shard=2, batch_size=3)
+    assert recomputed == ["shard_00002.safetensors"] and index["complete"]
+    assert shard_bytes(folder) == shard_bytes(full)
+    assert (folder / "index.json").read_text() == (full / "index.json").read_text()
+    assert not list(folder.glob("index.rank*"))

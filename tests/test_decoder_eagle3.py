@@ -91,3 +91,22 @@ def test_proposer_logits_in_the_decode_loop_equal_the_ttt_unroll(sampling):
                                        torch.ones(1, len(ids), dtype=torch.long), K))
         for i in range(K):
             torch.testing.assert_close(logits[i], unrolled[i][0, t], rtol=1e-9, atol=1e-9)
+
+
+def test_draft_steps_attend_only_to_the_slots_in_use(monkeypatch):
+    """A 4096-slot proposer cache costs what the sequence uses: no step attends past its last slot."""
+    import torch.nn.functional as F
+
+    widths, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        widths.append(k.shape[-2])
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    target, prompt = _target(), torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    proposer = Eagle3Proposer(_head(target), V, 4096)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    res = speculative_generate(TargetRunner(target, 64, AUX), proposer, prompt, 20, SamplingConfig(),
+                               DraftingConfig("tree", K, 2, 6), [])
+    assert len(res.tokens) == 20 and widths
+    assert max(widths) <= len(prompt) + 20 + 6  # prompt + answer + one tree, never the 4096 slots

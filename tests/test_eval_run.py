@@ -180,5 +180,5 @@ def test_draft_model_head_with_hf_assisted_baseline(questions, tmp_path):
     draft.save_pretrained(tmp_path / "draft")
     report = run(eval_cfg(questions, tmp_path / "out", f"head={tmp_path / 'draft'}", "baselines=[hf_assisted]",
                           "prompts.n=2"))
-    assert report["method"] == "draft_model" and report["greedy_identical_fraction"] == 1.0
+    assert report["method"] == "draft" and report["greedy_identical_fraction"] == 1.0
     assert report["baselines"]["hf_assisted"]["tokens_per_s"] > 0

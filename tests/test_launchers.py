@@ -73,12 +73,13 @@ def test_data_gen_dry_run_two_nodes_of_eight_servers():
     ranks = [line for line in lines if " draftsmith data-gen " in line]
     assert len(servers) == 16 and len(ranks) == 16 and lines.count("wait") == 2
     assert servers[9] == f"env CUDA_VISIBLE_DEVICES=1 vllm serve {model} --port 8001 --tensor-parallel-size 1 &"
-    assert ranks[9] == (f"env RANK=9 WORLD_SIZE=16 draftsmith data-gen {' '.join(args)} backend=openai "
+    assert ranks[9] == (f"env RANK=9 LOCAL_RANK=1 WORLD_SIZE=16 draftsmith data-gen {' '.join(args)} backend=openai "
                         "backend.url=http://127.0.0.1:8001/v1 &")
     assert sorted(int(r.split()[1].removeprefix("RANK=")) for r in ranks) == list(range(16))
-    sglang = dry_run("launch_data_gen.sh", *args, MODEL=model, GPUS_PER_NODE="8", TP="2", ENGINE="sglang")
+    sglang = dry_run("launch_data_gen.sh", *args, MODEL=model, GPUS_PER_NODE="8", TP="2", ENGINE="sglang",
+                     SERVER_ARGS="--mem-fraction-static 0.6")
     assert (f"env CUDA_VISIBLE_DEVICES=2,3 python -m sglang.launch_server --model-path {model} --port 8001 "
-            "--tp-size 2 &") in sglang
+            "--tp-size 2 --mem-fraction-static 0.6 &") in sglang
     assert sum(" WORLD_SIZE=4 " in line for line in sglang) == 4
 
 

@@ -30,14 +30,20 @@ class TrainData:
     hidden: Optional[HiddenStates]
     manifest: dict
     indices: list[int]  # the dataset rows this split uses
+    topk: Optional[object] = None  # offline draft distillation: the data's top-k cache (data_gen/topk.py)
 
     def lengths(self) -> list[int]:
         return [len(self.input_ids[i]) for i in self.indices]
 
 
-def load_data(data_dir: str, target_identity: dict, mode: str, max_length: int, val_samples: int
-              ) -> tuple[TrainData, Optional[TrainData], str]:
-    """(train split, held-out split or None, resolved mode "online" | "offline")."""
+def load_data(data_dir: str, target_identity: dict, mode: str, max_length: int, val_samples: int,
+              offline: str = "hidden_states") -> tuple[TrainData, Optional[TrainData], str]:
+    """(train split, held-out split or None, resolved mode "online" | "offline").
+
+    `offline` is what the method reads in offline mode (its entry's `offline_data`): hidden_states
+    (EAGLE-3 features) or topk_logits (the target's top-k log-probs, data_gen/topk.py)."""
+    if offline == "topk_logits":
+        return _load_topk_data(data_dir, target_identity, mode, max_length, val_samples)
     if not Path(data_dir).is_dir():
         raise DraftsmithError(f"data={data_dir!r} is not a folder; give a data-gen output folder.")
     ds, manifest = load_tokenized(data_dir, target_identity)
@@ -69,6 +75,29 @@ def load_data(data_dir: str, target_identity: dict, mode: str, max_length: int, 
     split = len(keep) - val_samples
     train = TrainData(ids, masks, hidden, manifest, keep[:split])
     val = TrainData(ids, masks, hidden, manifest, keep[split:]) if val_samples else None
+    return train, val, mode
+
+
+def _load_topk_data(data_dir: str, target_identity: dict, mode: str, max_length: int, val_samples: int
+                    ) -> tuple[TrainData, Optional[TrainData], str]:
+    """load_data for a method whose offline signal is data-gen's top-k cache (auto = offline when it is there)."""
+    from draftsmith.data_gen.topk import TopkLogits
+
+    if not Path(data_dir).is_dir():
+        raise DraftsmithError(f"data={data_dir!r} is not a folder; give a data-gen output folder.")
+    _, manifest = load_tokenized(data_dir, target_identity)
+    has_topk = bool(manifest.get("topk_logits"))
+    mode = ("offline" if has_topk else "online") if mode == "auto" else mode
+    if mode == "offline" and not has_topk:
+        raise DraftsmithError(f"mode=offline needs a top-k cache in {data_dir}; rerun data-gen with topk_logits=true.")
+    train, val, _ = load_data(data_dir, target_identity, "online", max_length, val_samples)
+    if mode == "offline":
+        train.topk = TopkLogits(data_dir)
+        if len(train.topk) != len(train.input_ids):
+            raise DraftsmithError(f"the top-k cache in {data_dir} lists {len(train.topk)} samples but the tokenized "
+                                  f"set has {len(train.input_ids)}; rerun data-gen on that folder.")
+        if val is not None:
+            val.topk = train.topk
     return train, val, mode
 
 
@@ -141,4 +170,12 @@ def collate(data: TrainData, positions: list[int], device) -> dict:
             n = min(a.shape[0], T)
             aux[b, :n], last[b, :n] = a[:n], l[:n]
         batch["aux"], batch["last"] = aux.to(device), last.to(device)
+    if data.topk is not None:  # (B, T, k) ids and log-probs, (B, T) tail; padding positions are never scored
+        k = data.topk.k
+        ids, logp, tail = torch.zeros(B, T, k, dtype=torch.int32), torch.zeros(B, T, k), torch.zeros(B, T)
+        for b, r in enumerate(rows):
+            i, lp, tl = data.topk[r]
+            n = min(i.shape[0], T)
+            ids[b, :n], logp[b, :n], tail[b, :n] = i[:n], lp[:n], tl[:n]
+        batch["topk_ids"], batch["topk_logp"], batch["topk_tail"] = ids.to(device), logp.to(device), tail.to(device)
     return batch

@@ -181,28 +181,37 @@ def summarize(stats: torch.Tensor) -> dict:
 def new_eagle3(target, cfg: Eagle3Config, train, resume: Optional[Path]) -> Eagle3Head:
     """A head for `target`: the vocab map from the training rows' assistant tokens (or, on resume,
     from the checkpoint: never rebuilt), embeddings and lm_head rows copied from the target."""
+    d2t, t2d = vocab_map_for(target, cfg.draft_vocab_size, train, resume)
+    head = Eagle3Head(eagle3_config_from_target(target.model.config, d2t.numel()))
+    head.init_from_target(target.model, d2t, t2d)
+    return head
+
+
+def vocab_map_for(target, draft_vocab_size: int, train, resume: Optional[Path]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d): from the training rows' assistant tokens, or on resume the checkpoint's (never rebuilt)."""
     from draftsmith.heads.vocab import build_vocab_map, count_tokens
 
-    draft_vocab = min(cfg.draft_vocab_size, target.vocab_size)
     if resume is not None:
         from safetensors.torch import load_file
 
         saved = load_file(str(resume / "head.safetensors"))
-        d2t, t2d = saved["d2t"], saved["t2d"]
-    else:
-        rows = train.indices
-        counts = count_tokens((train.input_ids[i] for i in rows), (train.loss_mask[i] for i in rows), target.vocab_size)
-        d2t, t2d = build_vocab_map(counts, draft_vocab)
-    head = Eagle3Head(eagle3_config_from_target(target.model.config, draft_vocab))
-    head.init_from_target(target.model, d2t, t2d)
-    return head
+        return saved["d2t"], saved["t2d"]
+    rows = train.indices
+    counts = count_tokens((train.input_ids[i] for i in rows), (train.loss_mask[i] for i in rows), target.vocab_size)
+    return build_vocab_map(counts, min(draft_vocab_size, target.vocab_size))
 
 
 def eagle3_training(head: Eagle3Head, target, cfg: Eagle3Config, mode: str,
                     autocast: Callable) -> tuple[Eagle3Step, Callable[[dict], dict]]:
     """(the module to train, `prepare(batch)`): prepare adds the target side under no_grad:
     features (online: the target runs; offline: the batch carries them) and its distributions."""
-    target_head = TargetHead(target.model.get_output_embeddings().weight, head.t2d)
+    return Eagle3Step(head, cfg.ttt_steps, cfg.ttt_decay), target_prepare(head.t2d, target, mode, autocast)
+
+
+def target_prepare(t2d: torch.Tensor, target, mode: str, autocast: Callable) -> Callable[[dict], dict]:
+    """`prepare(batch)` adding `aux` (online: the target runs; offline: the batch's) and the TargetSide over
+    the draft vocab `t2d`; shared by the methods that read the target's features."""
+    target_head = TargetHead(target.model.get_output_embeddings().weight, t2d)
     features = target.features if mode == "online" else None  # offline keeps only target_head
 
     def prepare(batch: dict) -> dict:
@@ -215,4 +224,4 @@ def eagle3_training(head: Eagle3Head, target, cfg: Eagle3Config, mode: str,
             batch.pop("last", None)
             return {**batch, "aux": aux, "target": target_head(last)}
 
-    return Eagle3Step(head, cfg.ttt_steps, cfg.ttt_decay), prepare
+    return prepare

@@ -152,7 +152,7 @@ def run(cfg) -> dict:
     # prepare: the target, the data, the plan
     target = load_target(cfg.target)
     identity = target.identity()
-    train, val, mode = load_data(cfg.data, identity, cfg.mode, cfg.max_length, cfg.val_samples)
+    train, val, mode = load_data(cfg.data, identity, cfg.mode, cfg.max_length, cfg.val_samples, method.offline_data)
     total_steps = total_steps_of(cfg, len(train.indices), world)
     compat = compat_fields(cfg, identity, world, len(train.indices), total_steps)
 

@@ -1,0 +1,212 @@
+"""The folders of a P-EAGLE drafter: the one vLLM loads for parallel drafting, and vLLM's speculators format.
+
+    format=peagle       config.json: LlamaForCausalLMEagle3 with num_hidden_layers = the drafter's layers,
+                        "parallel_drafting": true, "ptd_token_id" (the mask token id), and every field an
+                        EAGLE-3 folder has. model.safetensors: fc, mask_hidden (1, 3H_t), layers.0.* (the
+                        EAGLE-3 layer, with hidden_norm), layers.{i}.*, norm, lm_head, d2t (int64), t2d (bool),
+                        embed_tokens (always when the embeddings were trained: they are not the target's)
+    format=speculators  config.json: PEagleDraftModel, speculators_model_type "peagle", mask_token_id,
+                        transformer_layer_config with the layer count, speculators_config (algorithm peagle);
+                        the same tensors, mask_hidden shaped (1, 1, 3H_t) as speculators' parameter is
+
+Both are written atomically (heads/checkpoint.py `write_head_folder`); loading reads safetensors only and checks
+every tensor's name, shape and dtype.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from draftsmith import DraftsmithError
+from draftsmith.heads.checkpoint import (CONFIG, EMBED, FIXED_DTYPES, WEIGHTS, config_from_json,
+                                         default_aux_layer_ids, eagle3_config_json, keep_rope_fp32,
+                                         llama_layer_config, read_checked_tensors, read_config_json,
+                                         write_head_folder)
+from draftsmith.heads.peagle import PEagleHead
+from draftsmith.heads.speculators import SPECULATORS_VERSION, verifier_architectures
+
+PEAGLE_SPECULATORS_ARCHITECTURE = "PEagleDraftModel"
+MASK = "mask_hidden"
+
+
+def peagle_tensor_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the parallel-drafting folder (embed_tokens included) and its shape, for `config`."""
+    H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
+    H_t = getattr(config, "target_hidden_size", None) or H
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    I = config.intermediate_size
+    shapes = {"fc.weight": (H, 3 * H_t), MASK: (1, 3 * H_t)}
+    for i in range(config.num_hidden_layers):
+        width = 2 * H if i == 0 else H  # the first layer reads [embedding; hidden]
+        p = f"layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                       p + "self_attn.q_proj.weight": (q, width), p + "self_attn.k_proj.weight": (kv, width),
+                       p + "self_attn.v_proj.weight": (kv, width), p + "self_attn.o_proj.weight": (H, q),
+                       p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
+                       p + "mlp.down_proj.weight": (H, I)})
+        if i == 0:
+            shapes[p + "hidden_norm.weight"] = (H,)
+    shapes.update({"norm.weight": (H,), "lm_head.weight": (Vd, H), "d2t": (Vd,), "t2d": (V,), EMBED: (V, H)})
+    return shapes
+
+
+def peagle_tensors(head: PEagleHead, dtype: Optional[torch.dtype] = None,
+                   include_embeddings: bool = True) -> dict[str, torch.Tensor]:
+    """The drafter's tensors under the folder's names, contiguous on CPU, floats in `dtype`. Trained
+    embeddings are always included (they are no longer the target's)."""
+    include_embeddings = include_embeddings or bool(getattr(head.config, "train_embeddings", True))
+    state = head.state_dict()
+    out = {}
+    for name in peagle_tensor_shapes(head.config):
+        if name == EMBED and not include_embeddings:
+            continue
+        t = state[name].detach()
+        t = t.to(FIXED_DTYPES[name]) if name in FIXED_DTYPES else t.to(dtype or t.dtype)
+        out[name] = t.to("cpu").contiguous()
+    return out
+
+
+# ---- format=peagle: the folder vLLM serves with parallel drafting --------------------------------------
+
+def peagle_config_json(head: PEagleHead, manifest_target: Optional[dict], dtype: Optional[torch.dtype]) -> dict:
+    out = eagle3_config_json(head.config, manifest_target, dtype)
+    out["num_hidden_layers"] = head.config.num_hidden_layers
+    out["parallel_drafting"] = True
+    out["ptd_token_id"] = head.mask_token_id
+    out["train_embeddings"] = bool(getattr(head.config, "train_embeddings", True))  # draftsmith's: how it was trained
+    return out
+
+
+def save_peagle(head: PEagleHead, folder: str | os.PathLike, manifest_target: dict | None = None, *,
+                include_embeddings: bool = True, dtype: Optional[torch.dtype] = None, stage: str = "train") -> Path:
+    """Write the parallel-drafting folder (atomically) and return its path."""
+    tensors = peagle_tensors(head, dtype, include_embeddings)
+    config = peagle_config_json(head, manifest_target, dtype or head.fc.weight.dtype)
+    return write_head_folder(Path(folder), tensors, config, head.config.draft_vocab_size, manifest_target, stage,
+                             "peagle")
+
+
+def is_peagle_folder(config: dict) -> bool:
+    """An EAGLE-3-architecture folder that vLLM drafts in parallel (format=peagle)."""
+    return bool(config.get("parallel_drafting"))
+
+
+def load_peagle(folder: str | os.PathLike, device="cpu", dtype: Optional[torch.dtype] = None,
+                target_embeddings: torch.Tensor | torch.nn.Embedding | None = None) -> PEagleHead:
+    """Load a folder written by `save_peagle` (or any vLLM parallel-drafting EAGLE-3 folder), every tensor
+    checked. A folder without embed_tokens needs the target's as `target_embeddings`."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DraftsmithError(f"head folder {folder} does not exist.")
+    raw = read_config_json(folder)
+    if not is_peagle_folder(raw):
+        raise DraftsmithError(f"{folder / CONFIG} has no \"parallel_drafting\": true; it is not a P-EAGLE folder.")
+    for key in ("ptd_token_id", "num_hidden_layers"):
+        if key not in raw:
+            raise DraftsmithError(f"{folder / CONFIG} has no {key!r}.")
+    config = config_from_json(raw, folder / CONFIG)
+    config.num_hidden_layers = int(raw["num_hidden_layers"])
+    config.mask_token_id = int(raw["ptd_token_id"])
+    config.train_embeddings = bool(raw.get("train_embeddings", True))
+    expected = peagle_tensor_shapes(config)
+    tensors = read_checked_tensors(folder / WEIGHTS, expected, optional=(EMBED,))
+    if EMBED not in tensors:
+        if target_embeddings is None:
+            raise DraftsmithError(f"{folder / WEIGHTS} has no {EMBED!r}: pass the target's embeddings.")
+        weight = getattr(target_embeddings, "weight", target_embeddings).detach()
+        if tuple(weight.shape) != expected[EMBED]:
+            raise DraftsmithError(f"target_embeddings has shape {tuple(weight.shape)}, expected {expected[EMBED]}.")
+        tensors[EMBED] = weight.to("cpu", tensors["fc.weight"].dtype)
+    head = PEagleHead(config)
+    inv_freq = head.rotary_emb.inv_freq.clone()
+    head.to(tensors["fc.weight"].dtype)
+    head.load_state_dict(tensors, strict=True)
+    head.to(device=device, dtype=dtype)
+    keep_rope_fp32(head, inv_freq)
+    return head
+
+
+# ---- format=speculators: vLLM's speculators format, type peagle ----------------------------------------
+
+def speculators_peagle_config_json(head: PEagleHead, verifier: Optional[str], speculative_tokens: int,
+                                   manifest_target: Optional[dict], dtype: torch.dtype) -> dict:
+    """config.json for speculators' PEagleSpeculatorConfig (our layer: raw-h residual, no extra norms)."""
+    config = head.config
+    aux = (manifest_target or {}).get("aux_layer_ids")
+    num_layers = (manifest_target or {}).get("num_layers")
+    if aux is None and num_layers is not None:
+        aux = default_aux_layer_ids(int(num_layers))
+    layer = {**llama_layer_config(config), "num_hidden_layers": config.num_hidden_layers,
+             "architectures": ["LlamaForCausalLM"]}
+    target_hidden = getattr(config, "target_hidden_size", None)
+    return {
+        "architectures": [PEAGLE_SPECULATORS_ARCHITECTURE],
+        "speculators_model_type": "peagle",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": target_hidden if target_hidden and target_hidden != config.hidden_size else None,
+        "eagle_aux_hidden_state_layer_ids": [int(i) for i in aux] if aux is not None else None,
+        "mask_token_id": head.mask_token_id,
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "embed_requires_grad": bool(getattr(config, "train_embeddings", True)),
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "speculators_config": {
+            "algorithm": "peagle",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": verifier_architectures(verifier)},
+        },
+    }
+
+
+def save_speculators_peagle(head: PEagleHead, folder: str | os.PathLike, verifier: Optional[str] = None,
+                            speculative_tokens: int = 3, manifest_target: dict | None = None,
+                            dtype: Optional[torch.dtype] = None, include_embeddings: bool = True) -> Path:
+    """Write the drafter in speculators' P-EAGLE format (atomically) and return the folder."""
+    if speculative_tokens < 1:
+        raise DraftsmithError(f"export.speculative_tokens={speculative_tokens} must be at least 1.")
+    dtype = dtype or head.fc.weight.dtype
+    tensors = peagle_tensors(head, dtype, include_embeddings)
+    tensors[MASK] = tensors[MASK][None]  # (1, 1, 3H_t): speculators' parameter shape
+    config = speculators_peagle_config_json(head, verifier, speculative_tokens, manifest_target, dtype)
+    return write_head_folder(Path(folder), tensors, config, head.config.draft_vocab_size, manifest_target, "export",
+                             "speculators")
+
+
+# ---- publish: the model card's parts -------------------------------------------------------------------
+
+def peagle_card(base_model: str, repo_id: str, report: Optional[dict], k: int, formats: list[str],
+                train: dict) -> dict:
+    """P-EAGLE's parts of the card (the method table's `card`): what it is, tags, the vLLM command, files."""
+    import json
+
+    spec = json.dumps({"method": "eagle3", "model": repo_id, "num_speculative_tokens": k, "parallel_drafting": True})
+    options = train.get("method") if isinstance(train.get("method"), dict) else {}
+    return {
+        "title": "A P-EAGLE (parallel drafting) head",
+        "method": (f"P-EAGLE: an EAGLE-3-style drafter with {options.get('num_layers', 'several')} decoder layers, fed "
+                   "by the target's hidden states from three layers, that drafts all K tokens in one forward: the "
+                   "positions after the last accepted one take a mask token and a learned `mask_hidden` vector in "
+                   "place of target features. Trained with depth sampling (depth d kept for a fraction "
+                   f"max({options.get('down_sample_ratio', 0.7)}^d, {options.get('down_sample_ratio_min', 0.2)}) "
+                   f"of the positions, {options.get('depths', 8)} depths) on the target's own answers; it drafts "
+                   "over a reduced vocabulary mapped to the target's by `d2t` / `t2d`."),
+        "tags": ["peagle", "eagle3", "parallel-drafting", "speculative-decoding", "draft-model", "draftsmith", "vllm"]
+                + (["speculators"] if "speculators" in formats else []),
+        "commands": {"vllm": f"vllm serve {base_model} \\\n    --speculative-config '{spec}'"},
+        "no_sglang": "SGLang has no parallel drafting for EAGLE heads: serve this head with vLLM.",
+        "files": {"peagle": "vLLM `LlamaForCausalLMEagle3` with parallel_drafting, ptd_token_id and mask_hidden",
+                  "speculators": "vLLM `PEagleDraftModel`, speculators_config (algorithm peagle)"},
+        "draft_vocab_size": options.get("draft_vocab_size"),
+    }

@@ -1,0 +1,208 @@
+"""P-EAGLE folders: the parallel-drafting folder vLLM loads (names, shapes, dtypes, config fields, round trip),
+the export CLI, and the outside check: speculators' own PEagleDraftModel loads our speculators-format export and
+computes our drafter's logits on the same slots (a deliberately mis-mapped export fails that check)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from draftsmith import DraftsmithError
+from draftsmith.cli import main
+from draftsmith.heads.eagle3 import causal_mask
+from draftsmith.heads.peagle import PEagleHead, peagle_config_from_target
+from draftsmith.heads.peagle_folders import load_peagle, save_peagle, save_speculators_peagle
+from draftsmith.heads.vocab import build_vocab_map
+from draftsmith.methods import method_for_folder
+from draftsmith.train.peagle import Slots, parallel_forward, sample_slots
+
+DRAFT_VOCAB = 100
+LAYERS = 3
+
+
+def random_peagle(target, train_embeddings: bool = True, seed: int = 0) -> PEagleHead:
+    """A 3-layer drafter initialised from `target`, every other weight random (norms too, so swaps show)."""
+    torch.manual_seed(seed)
+    head = PEagleHead(peagle_config_from_target(target.model.config, DRAFT_VOCAB, LAYERS, target.vocab_size - 1,
+                                                train_embeddings))
+    head.init_from_target(target.model, *build_vocab_map(torch.randint(0, 1000, (target.vocab_size,)), DRAFT_VOCAB))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.startswith(("fc", "layers", "norm", "mask_hidden")):
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    return head
+
+
+def tensors_of(folder) -> dict[str, torch.Tensor]:
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+@torch.no_grad()
+def inference_logits(head, T: int = 9, K: int = 4, seed: int = 1) -> torch.Tensor:
+    """The inference layout: T real slots then K-1 mask slots, causal; logits of the last real slot and the mask slots."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.cat([torch.randint(0, head.config.vocab_size, (T,), generator=g), torch.full((K - 1,), head.mask_token_id)])
+    aux = torch.randn(1, T, head.fc.in_features, generator=g)
+    hidden = torch.cat([head.fuse(aux), head.mask_fused()[None, None].expand(1, K - 1, -1)], 1)
+    return head(ids[None], hidden, torch.arange(T + K - 1)[None], causal_mask(T + K - 1))[1][0, T - 1:].float()
+
+
+def expected_names(layers: int) -> set[str]:
+    names = {"fc.weight", "mask_hidden", "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight",
+             "layers.0.hidden_norm.weight"}
+    for i in range(layers):
+        names |= {f"layers.{i}.{n}.weight" for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
+                                                      "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    return names
+
+
+def test_parallel_drafting_folder_names_shapes_dtypes_config(tiny_target, tmp_path):
+    head = random_peagle(tiny_target)
+    folder = save_peagle(head, tmp_path / "p", manifest_target=tiny_target.identity(), dtype=torch.bfloat16)
+    tensors = tensors_of(folder)
+    assert set(tensors) == expected_names(LAYERS)
+    H, H_t = head.config.hidden_size, tiny_target.hidden_size
+    assert tensors["mask_hidden"].shape == (1, 3 * H_t) and tensors["mask_hidden"].dtype == torch.bfloat16
+    assert tensors["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * H  # [embedding; hidden]
+    assert tensors["layers.1.self_attn.q_proj.weight"].shape[1] == H
+    assert "layers.1.hidden_norm.weight" not in tensors
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert tensors["embed_tokens.weight"].shape == (tiny_target.vocab_size, H)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
+    assert config["parallel_drafting"] is True and config["ptd_token_id"] == tiny_target.vocab_size - 1
+    assert config["num_hidden_layers"] == LAYERS and config["draft_vocab_size"] == DRAFT_VOCAB
+    assert config["vocab_size"] == tiny_target.vocab_size and config["tie_word_embeddings"] is False
+    assert config["torch_dtype"] == "bfloat16"
+    assert method_for_folder(folder).name == "peagle"  # not EAGLE-3's, whose architecture it shares
+
+
+def test_round_trip_and_embeddings(tiny_target, tmp_path):
+    head = random_peagle(tiny_target)
+    back = load_peagle(save_peagle(head, tmp_path / "p"))
+    assert len(back.layers) == LAYERS and back.mask_token_id == head.mask_token_id
+    torch.testing.assert_close(inference_logits(back), inference_logits(head), rtol=0, atol=0)
+    # trained embeddings are always written; frozen ones may be left to the target's
+    assert "embed_tokens.weight" in tensors_of(save_peagle(head, tmp_path / "a", include_embeddings=False))
+    frozen = random_peagle(tiny_target, train_embeddings=False)
+    lean = save_peagle(frozen, tmp_path / "b", include_embeddings=False)
+    assert "embed_tokens.weight" not in tensors_of(lean)
+    with pytest.raises(DraftsmithError, match="embed_tokens"):
+        load_peagle(lean)
+    back = load_peagle(lean, target_embeddings=tiny_target.model.get_input_embeddings())
+    torch.testing.assert_close(inference_logits(back), inference_logits(frozen), rtol=0, atol=0)
+
+
+def test_a_wrong_shape_or_missing_mask_hidden_is_refused(tiny_target, tmp_path):
+    folder = save_peagle(random_peagle(tiny_target), tmp_path / "p")
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k != "mask_hidden"}, str(folder / "model.safetensors"))
+    with pytest.raises(DraftsmithError, match="no tensor 'mask_hidden'"):
+        load_peagle(folder)
+    save_file({**tensors, "mask_hidden": tensors["mask_hidden"][:, :5]}, str(folder / "model.safetensors"))
+    with pytest.raises(DraftsmithError, match="'mask_hidden' has shape"):
+        load_peagle(folder)
+
+
+def test_cli_export_both_formats(tiny_target, tmp_path, capsys):
+    head_folder = save_peagle(random_peagle(tiny_target), tmp_path / "trained", manifest_target=tiny_target.identity())
+    main(["export", f"head={head_folder}", "format=peagle", f"out={tmp_path / 'v'}"])
+    assert json.loads((tmp_path / "v" / "config.json").read_text())["parallel_drafting"] is True
+    assert tensors_of(tmp_path / "v")["lm_head.weight"].dtype == torch.bfloat16  # export default
+    main(["export", f"head={head_folder}", "format=speculators", f"out={tmp_path / 's'}", "speculative_tokens=5"])
+    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert config["architectures"] == ["PEagleDraftModel"] and config["speculators_model_type"] == "peagle"
+    assert config["mask_token_id"] == tiny_target.vocab_size - 1 and config["embed_requires_grad"] is True
+    assert config["transformer_layer_config"]["num_hidden_layers"] == LAYERS
+    assert config["speculators_config"]["algorithm"] == "peagle"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+    assert config["eagle_aux_hidden_state_layer_ids"] == tiny_target.aux_layer_ids
+    tensors = tensors_of(tmp_path / "s")
+    assert set(tensors) == expected_names(LAYERS) and tensors["mask_hidden"].shape == (1, 1, 3 * tiny_target.hidden_size)
+    with pytest.raises(SystemExit):  # the speculators folder is not a head folder draftsmith reads
+        main(["export", f"head={tmp_path / 's'}", f"out={tmp_path / 'x'}"])
+    assert "speculators format" in capsys.readouterr().err
+
+
+# ---- the outside check: speculators' PEagleDraftModel ------------------------------------------------------
+
+speculators_peagle = pytest.importorskip("speculators.models.peagle")
+
+
+@pytest.fixture
+def verifier_folder(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = tmp_path / "verifier"
+    tiny_target.model.save_pretrained(folder)
+    return folder
+
+
+def load_with_speculators(folder):
+    config = speculators_peagle.PEagleSpeculatorConfig.from_pretrained(str(folder))
+    config.transformer_layer_config._attn_implementation = "sdpa"  # flex attention has no CPU path here
+    return speculators_peagle.PEagleDraftModel.from_pretrained(str(folder), config=config).eval()
+
+
+@torch.no_grad()
+def speculators_logits(model, next_ids, aux, slots: Slots, monkeypatch) -> torch.Tensor:
+    """speculators' own training forward on our slots (its COD sampling replaced by ours): the logits it scores."""
+    import speculators.models.peagle.core as core
+
+    anchor, depth = slots.anchor[0], slots.depth[0]
+    monkeypatch.setattr(core, "generate_cod_sample_indices", lambda **kw: (anchor, depth))
+    captured = {}
+
+    def keep(logits, **kw):
+        captured["logits"] = logits
+        return logits.sum() * 0, {}
+
+    monkeypatch.setattr(core, "compute_metrics", keep)
+    T = next_ids.shape[1]
+    model(hidden_states=aux, input_ids=next_ids, document_ids=torch.zeros_like(next_ids),
+          verifier_last_hidden_states=torch.zeros(1, T, model.hidden_size), loss_mask=torch.ones(1, T))
+    return captured["logits"][0]
+
+
+def compare_with_speculators(head, folder, monkeypatch, T: int = 16):
+    """(our logits, speculators' logits) on one sequence's sampled slots, all depths."""
+    model = load_with_speculators(folder)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, head.config.vocab_size, (1, T), generator=g)
+    aux = torch.randn(1, T, head.fc.in_features, generator=g)
+    slots = sample_slots(torch.ones(1, T, dtype=torch.bool), 5, 0.7, 0.2, generator=g)
+    with torch.no_grad():
+        ours = head.logits(parallel_forward(head, ids, torch.ones(1, T, dtype=torch.long), aux, slots))[0]
+    next_ids = torch.nn.functional.pad(ids[:, 1:], (0, 1))  # speculators' input_ids[t] is the token slot t reads
+    return ours, speculators_logits(model, next_ids, aux, slots, monkeypatch), model
+
+
+def test_speculators_loads_our_export_and_agrees_on_logits(tiny_target, verifier_folder, tmp_path, monkeypatch):
+    head = random_peagle(tiny_target)
+    folder = save_speculators_peagle(head, tmp_path / "spec", verifier=str(verifier_folder),
+                                     manifest_target=tiny_target.identity(), dtype=torch.float32)
+    ours, theirs, model = compare_with_speculators(head, folder, monkeypatch)
+    assert model.mask_token_id == head.mask_token_id and len(model.layers) == LAYERS
+    assert torch.equal(model.mask_hidden.flatten(), head.mask_hidden.flatten())
+    assert torch.equal(model.d2t, head.d2t) and torch.equal(model.t2d, head.t2d)
+    assert torch.equal(model.embed_tokens.weight, head.embed_tokens.weight)
+    assert ours.shape == theirs.shape and ours.shape[0] > 16  # deeper slots were compared too
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("a, b", [("layers.1.", "layers.2."), ("layers.0.mlp.gate_proj", "layers.0.mlp.up_proj")])
+def test_a_mis_mapped_export_fails_the_check(tiny_target, verifier_folder, tmp_path, monkeypatch, a, b):
+    head = random_peagle(tiny_target)
+    folder = save_speculators_peagle(head, tmp_path / "spec", verifier=str(verifier_folder),
+                                     manifest_target=tiny_target.identity(), dtype=torch.float32)
+    tensors = load_file(str(folder / "model.safetensors"))
+    swapped = {name.replace(a, "\0").replace(b, a).replace("\0", b): t for name, t in tensors.items()}
+    assert set(swapped) == set(tensors)  # same names and shapes: only the mapping is wrong
+    save_file(swapped, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    ours, theirs, _ = compare_with_speculators(head, folder, monkeypatch)
+    assert not torch.allclose(ours, theirs, atol=1e-3, rtol=1e-3)
