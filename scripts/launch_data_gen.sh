@@ -84,6 +84,7 @@ fi
 
 pids=()
 # shellcheck disable=SC2317  # called by the EXIT trap
+# shellcheck disable=SC2329  # invoked by the EXIT trap below
 stop_servers() { # only the servers this script started
     for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
 }

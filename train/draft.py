@@ -11,13 +11,14 @@ distribution); offline, data-gen's top-k cache (`topk_logits=true`: the k most p
 log-probs and the log of the remaining mass), so every divergence is taken over k + 1 outcomes (the k
 tokens and the tail): exact when k equals the vocab, a lower bound of the full divergence otherwise.
 
-Logged: each loss term (whether weighted or not), acc_0 (draft argmax == target argmax) and alpha_0 =
+Logged: each loss term of the mix, acc_0 (draft argmax == target argmax) and alpha_0 =
 sum_v min(p_v, q_v) at `method.temperature`: the expected acceptance of one drafted token (offline:
 over the k cached tokens only, a lower bound).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,18 +141,16 @@ def draft_loss(drafter: DraftLM, input_ids, attention_mask, select, target: Targ
     full = torch.log_softmax(logits / temperature, dim=-1)
     logq = full if target.ids is None else losses.draft_on_topk(logits, target.ids, temperature)
     sampled = full.gather(-1, target.tokens[:, None]).squeeze(-1)  # (N,) log q of the sampled token
-    terms = {}
-    for name in losses.LOSSES:
-        with torch.set_grad_enabled(torch.is_grad_enabled() and name in weights):
-            terms[name] = losses.mix({name: 1.0}, target.logp, logq, sampled, beta)[0]
+    total, terms = losses.mix(weights, target.logp, logq, sampled, beta)
     n = logits.shape[0]
-    loss = sum(w * terms[name] for name, w in weights.items()).sum() / max(n, 1)
+    loss = total.sum() / max(n, 1)
     with torch.no_grad():
         k = logq.shape[-1] - 1 if target.ids is not None else logq.shape[-1]  # the tail is no token
         alpha = losses.acceptance(target.logp[:, :k], logq[:, :k])
         correct = (logits.argmax(-1) == target.argmax).sum()
-        stats = torch.stack([logits.new_tensor(float(n)), *(terms[name].detach().sum() for name in losses.LOSSES),
-                             correct.float(), alpha.sum()])
+        nan = logits.new_tensor(float("nan"))  # a loss outside the mix is not computed (nor logged)
+        stats = torch.stack([logits.new_tensor(float(n)), *(terms[name].detach().sum() if name in terms else nan
+                                                            for name in losses.LOSSES), correct.float(), alpha.sum()])
     return loss, stats
 
 
@@ -171,7 +170,8 @@ def summarize(stats: torch.Tensor) -> dict:
     """Metrics from summed statistics (len(STATS),) (summed over micro-batches / ranks)."""
     s = dict(zip(STATS, stats.double().tolist()))
     n = max(s["count"], 1)
-    out = {f"loss_{name}": s[f"loss_{name}"] / n for name in losses.LOSSES}
+    out = {f"loss_{name}": s[f"loss_{name}"] / n for name in losses.LOSSES
+           if not math.isnan(s[f"loss_{name}"])}
     out["acc_0"] = s["correct"] / n
     out["alpha_0"] = s["alpha_sum"] / n
     return out
