@@ -1,11 +1,12 @@
 """Benchmark of draft-model distillation on the embedded SmolLM2 (not a test).
 
-    python scripts/bench_draft.py --data runs/smol --out bench_draft.json [--layers 4] [--steps 40]
+    python scripts/bench_draft.py --data runs/smol --out bench_draft.json [--layers 4] [--steps 40] [--mode offline]
         [--losses fkl rkl jsd tv ce] [--holdout 6] [--max-new-tokens 48] [--temperatures 0 1]
 
 1. `before`: a draft of --layers of SmolLM2's 30 layers (spread from first to last; the target's
    embeddings, final norm and lm_head), saved as an HF folder without training.
-2. For every loss: `draftsmith train method=draft method.loss=<loss>` online, the same --steps,
+2. For every loss: `draftsmith train method=draft method.loss=<loss>` (--mode: online, or offline from
+   the data's top-k cache written by `data-gen ... topk_logits=true`), the same --steps,
    learning rate and data (the data-gen folder's last --holdout conversations held out).
 3. `draftsmith eval` of each folder on those held-out prompts at every temperature: tau, our
    decoder's tokens/s, and (before and the best loss) transformers' assisted generation
@@ -48,7 +49,7 @@ def train(loss: str, data: str, out: Path, args) -> dict:
     from draftsmith.train.run import run as run_train
 
     cfg = compose("train", [f"target={args.target}", "method=draft", f"method.num_layers={args.layers}",
-                            f"method.loss={loss}", f"data={data}", f"out={out}", "mode=online", "deepspeed=none",
+                            f"method.loss={loss}", f"data={data}", f"out={out}", f"mode={args.mode}", "deepspeed=none",
                             f"max_steps={args.steps}", f"lr={args.lr}", "warmup_ratio=0.05", "min_lr_ratio=0.1",
                             f"micro_batch_size={args.micro_batch_size}", f"val_samples={args.holdout}",
                             f"max_length={args.max_length}", f"save_every={args.steps}", "keep_last=1",
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--losses", nargs="+", default=["fkl", "rkl", "jsd", "tv", "ce"])
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--mode", default="auto", help="online (the target in the process) | offline (the data's top-k "
+                    "cache: data-gen topk_logits=true) | auto")
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--micro-batch-size", type=int, default=2)
     ap.add_argument("--max-length", type=int, default=384)

@@ -61,7 +61,6 @@ class BigramProposer:
     """A greedy chain from the bigram table (q one-hot: lossless under sampling too)."""
 
     needs_aux = False
-    is_null = False
 
     def __init__(self, drafter: Bigram):
         self.drafter, self.last = drafter, None
