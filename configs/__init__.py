@@ -20,7 +20,7 @@ SCHEMAS = {
     "eval": "draftsmith.eval.config:EvalConfig",
     "export": "draftsmith.heads.export:ExportConfig",
     "publish": "draftsmith.heads.publish:PublishConfig",
-    "demo": "draftsmith.eval.demo:DemoConfig",
+    "demo": "draftsmith.demo:DemoConfig",
 }
 
 

@@ -204,7 +204,7 @@ def save_draft(drafter, folder, manifest_target: Optional[dict] = None, stage: s
     model = drafter.merged() if isinstance(drafter, DraftLM) else drafter
     if dtype is not None:
         model = model.to(dtype)
-    tokenizer = drafter.config.tokenizer if isinstance(drafter, DraftLM) else None
+    tokenizer = drafter.config.tokenizer if isinstance(drafter, DraftLM) else _folder_tokenizer(drafter)
     with atomic_folder(folder, owner="export" if stage == "export" else None) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
@@ -215,3 +215,13 @@ def save_draft(drafter, folder, manifest_target: Optional[dict] = None, stage: s
             source = drafter.config.source if isinstance(drafter, DraftLM) else None
             write_manifest(tmp, stage, manifest_target, counts, format="hf", init=source)
     return folder
+
+
+def _folder_tokenizer(model):
+    """The tokenizer saved beside a loaded HF model (what export copies), or None."""
+    folder = Path(getattr(model, "name_or_path", "") or "")
+    if not (folder / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)

@@ -3,7 +3,7 @@
     python scripts/bench_peagle.py --data runs/bench_peagle/data --out runs/bench_peagle --steps 150
         [--eagle3-head DIR] [--peagle-head DIR] [--ks 3 5 7] [--holdout 6] [--max-new-tokens 64] [--repeats 1]
 
-1. train (unless a head folder is given): an EAGLE-3 head and a P-EAGLE head on the same data-gen output, same
+1. train (unless a head folder is given, or `<out>/<method>/final` is there): an EAGLE-3 head and a P-EAGLE head on the same data-gen output, same
    steps, micro-batch, learning rate, precision and held-out rows (`val_samples=--holdout`), online;
 2. decode the held-out prompts (`prompts.source=holdout`) at temperature 0 with the built-in decoder: target
    only, then each head at every K (chain), methods interleaved per prompt;
@@ -154,8 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, given, extra in (("eagle3", args.eagle3_head, []),
                                ("peagle", args.peagle_head, [f"method.num_layers={args.peagle_layers}",
                                                              f"method.depths={args.peagle_depths}"])):
-        if given:
-            heads[name] = Path(given)
+        done = args.out / name / "final"
+        if given or (done / "config.json").is_file():  # a given head, or this script's earlier training
+            heads[name] = Path(given) if given else done
+            print(f"{name}: using {heads[name]} (not trained here)", flush=True)
         else:
             heads[name], train_s[name] = train(name, args, args.out / name, extra)
             print(f"trained {name}: {args.steps} steps in {train_s[name]:.0f} s -> {heads[name]}", flush=True)

@@ -24,7 +24,7 @@ SUBCOMMANDS = {
     "eval": ("draftsmith.eval.run", "eval"),
     "export": ("draftsmith.heads.export", "export"),
     "publish": ("draftsmith.heads.publish", "publish"),
-    "demo": ("draftsmith.eval.demo", "demo"),
+    "demo": ("draftsmith.demo", "demo"),
 }
 
 USAGE = """usage: draftsmith <command> [key=value ...]   (Hydra overrides; --cfg job prints the config)

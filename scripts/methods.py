@@ -144,7 +144,7 @@ def _export_speculators_peagle(head, folder: Path, manifest_target: Optional[dic
 
 
 def _peagle_proposer(head, target_vocab_size: int, max_len: int):
-    from draftsmith.eval.proposers import PEagleProposer
+    from draftsmith.eval.peagle_proposer import PEagleProposer
 
     return PEagleProposer(head, target_vocab_size, max_len)
 
@@ -178,6 +178,12 @@ def _save_draft(drafter, folder: Path, identity: dict) -> Path:
     return save_draft(drafter, folder, manifest_target=identity)
 
 
+def _export_draft(model, folder: Path, manifest_target: Optional[dict], options) -> Path:
+    from draftsmith.heads.draft import save_draft
+
+    return save_draft(model, folder, manifest_target, stage="export", dtype=options.dtype)
+
+
 def _draft_model_proposer(model, target_vocab_size: int, max_len: int):
     from draftsmith.eval.proposers import DraftModelProposer
 
@@ -190,7 +196,8 @@ def _draft_entry() -> Method:
 
     return Method(name="draft", config=draft.DraftConfig, new_drafter=draft.new_draft,
                   training=draft.draft_training, summarize=draft.summarize, save=_save_draft,
-                  load=_load_draft_model, proposer=_draft_model_proposer, offline_data="topk_logits")
+                  load=_load_draft_model, proposer=_draft_model_proposer, formats={"hf": _export_draft},
+                  offline_data="topk_logits")
 
 
 # ---- the table ----------------------------------------------------------------------------------

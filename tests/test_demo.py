@@ -6,7 +6,7 @@ import pytest
 
 from draftsmith.cli import main
 from draftsmith.configs import compose
-from draftsmith.eval.demo import FLAVOURS, run, sizes, summary
+from draftsmith.demo import FLAVOURS, run, sizes, summary
 
 
 @pytest.mark.timeout(180)

@@ -229,7 +229,7 @@ def test_eval_into_a_file_is_refused_before_decoding(tmp_path, capsys, monkeypat
 # --------------------------------------------------------------------------- demo
 
 def test_demo_refuses_user_files_in_its_stage_folders(tmp_path, capsys, monkeypatch):
-    import draftsmith.eval.demo as demo
+    import draftsmith.demo as demo
 
     monkeypatch.setattr(demo, "_run_stage", lambda *a: pytest.fail("a stage ran"))
     proj = tmp_path / "proj"
@@ -249,7 +249,7 @@ def test_demo_refuses_user_files_in_its_stage_folders(tmp_path, capsys, monkeypa
 
 
 def test_demo_redo_removes_only_what_the_stage_wrote(tmp_path):
-    from draftsmith.eval.demo import clear_stage
+    from draftsmith.demo import clear_stage
 
     head = tmp_path / "head"
     mf.claim_output(head, "train")

@@ -168,3 +168,14 @@ def test_from_model_with_lora_trains_and_exports_a_plain_model(target, tiny_data
     assert final.config.num_hidden_layers == 2
     assert not any("lora" in k for k in load_file(f"{result['final']}/model.safetensors"))
     assert isinstance(draft_from_model(str(tmp_path / "small"), target, LORA, False), DraftLM)
+
+
+def test_export_format_hf_writes_a_bf16_hf_folder(target, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.heads.export import ExportConfig, run as export_run
+
+    save_draft(draft_from_target(target, [0, 7], None, False), tmp_path / "d", target.identity())
+    out = export_run(ExportConfig(head=str(tmp_path / "d"), out=str(tmp_path / "e")))  # the draft's first format: hf
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16 and (out / "tokenizer.json").is_file() and (out / "manifest.json").is_file()

@@ -189,3 +189,14 @@ def run(cfg) -> dict:
         atomic_write_json(out / "val_metrics.json", val_metrics)
     return {"out": str(out), "final": str(final), "mode": mode, "steps": total_steps, "metrics": record,
             "val": val_metrics, "rank": rank, "world_size": world, "method": method.name}
+
+
+def summary(result: dict) -> str:
+    """The line the CLI prints after training."""
+    if result["rank"] != 0:
+        return f"train rank {result['rank']}/{result['world_size']}: done."
+    val = result.get("val") or {}
+    shown = ", ".join(f"{k} {v:.3f}" for k, v in val.items() if k in ("val_loss_0", "val_acc_0", "val_alpha_0"))
+    return (f"train: {result['method']}, {result['steps']} steps ({result['mode']}); head in {result['final']}"
+            + (f"; held-out {shown}" if shown else ""))
+
