@@ -148,14 +148,9 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def acquire_lock(out: Path, rank: int = 0) -> Path:
-    """Create `out/.data_gen.lock` (pid, host) atomically; refuse while a live run holds it.
-
-    A lock left by a run that died on this host (its pid is gone) is stale and taken over. Under
-    torchrun each rank has its own lock file, so ranks of one job do not exclude each other.
-    """
-    path = out / (LOCK if rank == 0 else f".data_gen.rank{rank:05d}.lock")
-    out.mkdir(parents=True, exist_ok=True)
+def claim_file(path: Path) -> Path | None:
+    """Create `path` (pid, host) atomically; None when another live process holds it. A file left by a
+    dead process of this host is taken over (one on another host cannot be checked: it is respected)."""
     me = {"pid": os.getpid(), "host": socket.gethostname()}
     for _ in range(3):
         try:
@@ -165,21 +160,38 @@ def acquire_lock(out: Path, rank: int = 0) -> Path:
                 holder = json.loads(path.read_text())
                 pid, host = int(holder["pid"]), str(holder["host"])
             except FileNotFoundError:
-                continue  # released meanwhile: try again
-            except (ValueError, KeyError, TypeError):  # empty or torn: its writer died before writing it
+                continue
+            except (ValueError, KeyError, TypeError):  # being written, or its writer died before writing it
                 if time.time() - path.stat().st_mtime < 10:
-                    raise DraftsmithError(f"another data-gen is starting in {out} (lock {path}); wait for it, "
-                                          f"or delete {path} if no data-gen runs there.") from None
+                    return None
                 pid, host = -1, me["host"]
             if host == me["host"] and (pid <= 0 or not _pid_alive(pid)):
-                path.unlink(missing_ok=True)  # stale: its run is gone
+                path.unlink(missing_ok=True)
                 continue
-            raise DraftsmithError(f"another data-gen (pid {pid} on {host}) is writing to {out}; wait for it to "
-                                  f"finish, or delete {path} if it is no longer running.")
+            return None
         with os.fdopen(fd, "w") as f:
             json.dump(me, f)
         return path
-    raise DraftsmithError(f"could not take the lock {path}; another data-gen keeps taking it. Try again.")
+    return None
+
+
+def acquire_lock(out: Path, rank: int = 0) -> Path:
+    """Create `out/.data_gen.lock` (pid, host) atomically; refuse while a live run holds it.
+
+    A lock left by a run that died on this host (its pid is gone) is stale and taken over. Under
+    torchrun each rank has its own lock file, so ranks of one job do not exclude each other.
+    """
+    path = out / (LOCK if rank == 0 else f".data_gen.rank{rank:05d}.lock")
+    out.mkdir(parents=True, exist_ok=True)
+    if claim_file(path) is not None:
+        return path
+    try:
+        holder = json.loads(path.read_text())
+        who = f"pid {holder['pid']} on {holder['host']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        who = "one that is just starting"
+    raise DraftsmithError(f"another data-gen ({who}) is writing to {out}; wait for it to finish, or delete {path} "
+                          f"if it is no longer running.")
 
 
 def release_lock(path: Path) -> None:
@@ -573,33 +585,6 @@ def wait_for_merged_set(out: Path, key: str, rank: int, world: int, poll_s: floa
         time.sleep(poll_s)
 
 
-def _claim_file(path: Path) -> Path | None:
-    """Create `path` (pid, host) atomically; None when another live process holds it. A file left by a
-    dead process of this host is taken over (one on another host cannot be checked: it is respected)."""
-    me = {"pid": os.getpid(), "host": socket.gethostname()}
-    for _ in range(3):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                holder = json.loads(path.read_text())
-                pid, host = int(holder["pid"]), str(holder["host"])
-            except FileNotFoundError:
-                continue
-            except (ValueError, KeyError, TypeError):  # being written, or its writer died before writing it
-                if time.time() - path.stat().st_mtime < 10:
-                    return None
-                pid, host = -1, me["host"]
-            if host == me["host"] and (pid <= 0 or not _pid_alive(pid)):
-                path.unlink(missing_ok=True)
-                continue
-            return None
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-        return path
-    return None
-
-
 def capture(cfg, target, out: Path, rank: int = 0, world: int = 1) -> dict | None:
     """Offline mode: the hidden states of the tokenized set (finished shards kept); None otherwise.
 
@@ -628,7 +613,7 @@ def capture(cfg, target, out: Path, rank: int = 0, world: int = 1) -> dict | Non
     total = num_shards(len(ids), cfg.samples_per_shard)
     if len(finished_shards(folder, header)) < total:
         return hidden  # a rank still captures: the last one writes the index
-    finalize = _claim_file(folder / FINALIZE)
+    finalize = claim_file(folder / FINALIZE)
     if finalize is None:
         print(f"capture: rank {rank}/{world}: every shard is finished; the rank holding {folder / FINALIZE} writes "
               f"the index and the manifest (if no data-gen runs, a killed one left it: delete it and rerun).",
