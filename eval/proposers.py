@@ -7,6 +7,7 @@
 
 Target-only decoding has no proposer (None). The n-gram proposer is eval's own (no training); the
 model proposers are built by the method table (draftsmith.methods: `entry.proposer(drafter, V, max_len)`).
+P-EAGLE's proposer (K drafts from one drafter forward) is in eval/peagle_proposer.py.
 
 Model proposers (EAGLE-3, draft model) share one chain/tree builder: chain = top-1 (greedy) or one
 sample from q per depth; tree = top-k children of the best `tree_top_k` frontier nodes per depth,

@@ -110,7 +110,7 @@ def pick_layers(num_target_layers: int, n: int, how: str) -> list[int]:
 
 
 def untied_config(config, **changes):
-    """A copy of an HF config with untied embeddings and `changes` applied (layer_types cut to match)."""
+    """A copy of an HF config with untied embeddings and `changes` applied."""
     config = copy.deepcopy(config)
     config.tie_word_embeddings = False
     for key, value in changes.items():

@@ -8,15 +8,17 @@
 2. For every loss: `draftsmith train method=draft method.loss=<loss>` (--mode: online, or offline from
    the data's top-k cache written by `data-gen ... topk_logits=true`), the same --steps,
    learning rate and data (the data-gen folder's last --holdout conversations held out).
-3. `draftsmith eval` of each folder on those held-out prompts at every temperature: tau, our
-   decoder's tokens/s, and (before and the best loss) transformers' assisted generation
-   (`baselines=[hf_assisted]`) with the same draft folder, side by side in one run.
+3. `draftsmith eval` of each folder on those held-out prompts: every loss at --table-temperatures
+   (tau, our decoder's tokens/s); `before` and the best loss at every --temperatures with
+   transformers' assisted generation (`baselines=[hf_assisted]`) with the same draft folder beside
+   our decoder, in one eval run each.
 Prints the tables and writes every figure (and each eval's report) to --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -35,7 +37,8 @@ def eval_row(head: str, data: str, out: Path, temperature: float, args, assisted
                  "progress=false", "plot=false", f"out={out}", "overwrite=true"]
     if assisted:
         overrides.append("baselines=[hf_assisted]")
-    report = run_eval(compose("eval", overrides))
+    done = out / "report.json"  # a rerun with the same --work keeps what an earlier run finished
+    report = json.loads(done.read_text()) if done.is_file() else run_eval(compose("eval", overrides))
     row = {"temperature": temperature, "tau": report["tau"], "ours_tokens_per_s": report["speculative_tokens_per_s"],
            "target_only_tokens_per_s": report["target_only_tokens_per_s"], "speedup": report["speedup"],
            "per_position_acceptance": report["per_position_acceptance"]}
@@ -55,7 +58,12 @@ def train(loss: str, data: str, out: Path, args) -> dict:
                             f"max_length={args.max_length}", f"save_every={args.steps}", "keep_last=1",
                             "progress=false", "wandb.mode=disabled", "overwrite=true"])
     t0 = time.perf_counter()
-    result = run_train(cfg)
+    if (out / "final" / "config.json").is_file():  # finished by an earlier run with the same --work
+        last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+        val = json.loads((out / "val_metrics.json").read_text()) if (out / "val_metrics.json").is_file() else {}
+        result = {"final": str(out / "final"), "metrics": last, "val": val}
+    else:
+        result = run_train(cfg)
     return {"seconds": round(time.perf_counter() - t0, 1), "final": result["final"],
             "last_step": {k: v for k, v in result["metrics"].items() if k.startswith(("loss", "acc", "alpha"))},
             "val": result["val"]}
@@ -79,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens of our decoder")
-    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0],
+                    help="before vs the best loss, ours vs transformers' assisted generation")
+    ap.add_argument("--table-temperatures", type=float, nargs="+", default=[0.0], help="the per-loss tau table")
     args = ap.parse_args(argv)
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_draft."))
     t_start = time.perf_counter()
@@ -89,38 +99,40 @@ def main(argv: list[str] | None = None) -> int:
 
     target = load_target(TargetConfig(name=args.target))
     layers = pick_layers(target.num_layers, args.layers, "spread")
-    before = str(save_draft(draft_from_target(target, layers, None, False), work / "before", target.identity()))
+    before = str(work / "before")
+    if not (work / "before" / "config.json").is_file():
+        save_draft(draft_from_target(target, layers, None, False), before, target.identity())
     del target
     result = {"settings": vars(args) | {"layers_copied": layers}, "trained": {}, "eval": {}}
 
-    def evaluate(name: str, head: str, assisted: bool) -> None:
+    def evaluate(name: str, head: str, assisted: bool, temperatures: list[float]) -> None:
         result["eval"][name] = [eval_row(head, args.data, work / f"eval_{name}_T{t:g}", t, args, assisted)
-                                for t in args.temperatures]
+                                for t in temperatures]
         for r in result["eval"][name]:
             print(f"{name:>8} T={r['temperature']:g}: tau {r['tau']:.3f}, ours {r['ours_tokens_per_s']:.1f} tok/s"
                   + (f", hf_assisted {r['hf_assisted_tokens_per_s']:.1f} tok/s (ours x{r['ours_over_hf_assisted']:.2f})"
                      if "hf_assisted_tokens_per_s" in r else ""), file=sys.stderr, flush=True)
         atomic_write_json(args.out, result)
 
-    evaluate("before", before, assisted=True)
+    evaluate("before", before, True, args.temperatures)
     for loss in args.losses:
         result["trained"][loss] = train(loss, args.data, work / f"train_{loss}", args)
         print(f"trained {loss}: {result['trained'][loss]['last_step']}", file=sys.stderr, flush=True)
-        evaluate(loss, result["trained"][loss]["final"], assisted=False)
-    t0 = args.temperatures[0]
+        evaluate(loss, result["trained"][loss]["final"], False, args.table_temperatures)
+    t0 = args.table_temperatures[0]
     best = max(args.losses, key=lambda l: next(r["tau"] for r in result["eval"][l] if r["temperature"] == t0))
-    evaluate(f"{best}+hf", result["trained"][best]["final"], assisted=True)  # the winner beside hf_assisted
+    evaluate(f"{best}+hf", result["trained"][best]["final"], True, args.temperatures)  # the winner beside hf_assisted
     result["best_loss"] = best
     result["tau_gain_vs_before"] = {
-        f"T={t:g}": next(r["tau"] for r in result["eval"][best] if r["temperature"] == t)
+        f"T={t:g}": next(r["tau"] for r in result["eval"][f"{best}+hf"] if r["temperature"] == t)
         / next(r["tau"] for r in result["eval"]["before"] if r["temperature"] == t) - 1 for t in args.temperatures}
     result["seconds"] = round(time.perf_counter() - t_start, 1)
     atomic_write_json(args.out, result)
 
-    print("\n| loss | " + " | ".join(f"tau T={t:g}" for t in args.temperatures) + " | train s |")
-    print("|---|" + "---:|" * (len(args.temperatures) + 1))
+    print("\n| loss | " + " | ".join(f"tau T={t:g}" for t in args.table_temperatures) + " | train s |")
+    print("|---|" + "---:|" * (len(args.table_temperatures) + 1))
     for name in ["before", *args.losses]:
-        taus = " | ".join(f"{r['tau']:.3f}" for r in result["eval"][name])
+        taus = " | ".join(f"{r['tau']:.3f}" for r in result["eval"][name] if r["temperature"] in args.table_temperatures)
         secs = result["trained"][name]["seconds"] if name in result["trained"] else "-"
         print(f"| {name} | {taus} | {secs} |")
     print(f"\nbest loss: {best}; tau gain vs before: "

@@ -15,7 +15,12 @@ proposer); its entry only names them. Adding a method is one entry plus its own 
            load=f(folder, target) -> drafter, proposer=f(drafter, target_vocab_size, max_len) -> Proposer,
            formats={format: f(drafter, folder, manifest_target, options) -> Path},
            card=f(base_model, repo_id, eval_report, k, formats, train_config) -> the model card's parts,
-           offline_data=<the data-gen output mode=offline reads: hidden_states | topk_logits>)
+           offline_data=<the data-gen output mode=offline reads: hidden_states | topk_logits>,
+           claims=f(config.json dict) -> bool: which folders of an architecture another method shares are its)
+
+P-EAGLE's folders share EAGLE-3's architecture (`LlamaForCausalLMEagle3`, as vLLM wants); its entry claims
+those with "parallel_drafting": true (heads/peagle.py, heads/peagle_folders.py, train/peagle.py,
+eval/peagle_proposer.py).
 
 A method without `config` can be evaluated (its folders loaded and drafted with) but not trained.
 """
@@ -151,11 +156,11 @@ def _peagle_proposer(head, target_vocab_size: int, max_len: int):
 
 def _peagle_entry() -> Method:
     from draftsmith.heads.peagle_folders import is_peagle_folder, peagle_card
-    from draftsmith.train import eagle3, peagle
+    from draftsmith.train import peagle
 
     return Method(
         name="peagle", config=peagle.PEagleConfig, architectures=("LlamaForCausalLMEagle3",), claims=is_peagle_folder,
-        new_drafter=peagle.new_peagle, training=peagle.peagle_training, summarize=eagle3.summarize,
+        new_drafter=peagle.new_peagle, training=peagle.peagle_training, summarize=peagle.summarize,
         save=_save_peagle, load=_load_peagle, proposer=_peagle_proposer,
         formats={"peagle": _export_peagle, "speculators": _export_speculators_peagle}, card=peagle_card,
         foreign_architectures={"PEagleDraftModel": "the speculators format (vLLM loads it); give the P-EAGLE "

@@ -206,3 +206,17 @@ def test_a_mis_mapped_export_fails_the_check(tiny_target, verifier_folder, tmp_p
     save_file(swapped, str(folder / "model.safetensors"), metadata={"format": "pt"})
     ours, theirs, _ = compare_with_speculators(head, folder, monkeypatch)
     assert not torch.allclose(ours, theirs, atol=1e-3, rtol=1e-3)
+
+
+def test_publish_dry_run_writes_both_formats_and_a_parallel_drafting_card(tiny_target, tmp_path):
+    from huggingface_hub import ModelCard
+
+    head_folder = save_peagle(random_peagle(tiny_target), tmp_path / "trained", manifest_target=tiny_target.identity())
+    main(["publish", f"head={head_folder}", "repo_id=me/tiny-peagle", f"out={tmp_path / 'hub'}", "dry_run=true",
+          "allow_no_eval=true", "formats=[peagle,speculators]", "license=mit", "base_model=a/b"])
+    hub = tmp_path / "hub"
+    assert json.loads((hub / "config.json").read_text())["parallel_drafting"] is True
+    assert json.loads((hub / "speculators" / "config.json").read_text())["speculators_model_type"] == "peagle"
+    card = ModelCard.load(hub / "README.md")
+    assert "P-EAGLE" in card.text and '"parallel_drafting": true' in card.text
+    assert "peagle" in card.data.tags

@@ -39,7 +39,7 @@ from torch import nn
 from draftsmith import DraftsmithError, checks
 from draftsmith.heads.peagle import PEagleHead, peagle_config_from_target, slot_mask
 from draftsmith.train.eagle3 import TargetSide, target_prepare, vocab_map_for
-from draftsmith.train.eagle3 import summarize  # noqa: F401  per-depth rows: the same columns as EAGLE-3's steps
+from draftsmith.train.eagle3 import summarize  # noqa: F401  (the table's: one row per depth, EAGLE-3's columns)
 
 
 @dataclass
