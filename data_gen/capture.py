@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 
 import torch
-from draftsmith.data_gen.manifest import atomic_write_bytes, atomic_write_json
+from draftsmith.artifacts import atomic_write_bytes, atomic_write_json
 from draftsmith.progress import progress
 from draftsmith.data_gen.target import torch_dtype
 

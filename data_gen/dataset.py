@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.data_gen.manifest import check_same_target, read_manifest
+from draftsmith.artifacts import check_same_target, read_manifest
 
 
 def load_tokenized(data_dir: str | Path, target_identity: dict | None = None):

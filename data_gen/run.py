@@ -58,7 +58,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from draftsmith import DraftsmithError
-from draftsmith.data_gen import manifest as mf
+from draftsmith import artifacts as mf
 from draftsmith.data_gen.capture import capture_hidden_states, finished_shards, num_shards, write_index
 from draftsmith.data_gen.prompts import load_prompts
 from draftsmith.data_gen.topk import capture_topk

@@ -344,7 +344,7 @@ def _cache_gguf_as_safetensors(path: Path, cached: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        from draftsmith.data_gen.manifest import default_mode
+        from draftsmith.artifacts import default_mode
 
         os.chmod(tmp, default_mode(folder=True))  # mkdtemp makes 0700; a shared cache must be readable
         os.replace(tmp, cached)  # another process may have won the race: fine, same content

@@ -26,7 +26,7 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.data_gen.capture import shard_name, tokens_hash
-from draftsmith.data_gen.manifest import atomic_write_bytes, atomic_write_json
+from draftsmith.artifacts import atomic_write_bytes, atomic_write_json
 from draftsmith.progress import progress
 
 FOLDER = "topk_logits"

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from draftsmith import __version__
-from draftsmith.data_gen.manifest import atomic_write_bytes, atomic_write_json
+from draftsmith.artifacts import atomic_write_bytes, atomic_write_json
 
 
 def software_versions() -> dict:

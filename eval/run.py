@@ -25,7 +25,7 @@ import torch
 from omegaconf import OmegaConf
 
 from draftsmith import DraftsmithError
-from draftsmith.data_gen import manifest as mf
+from draftsmith import artifacts as mf
 from draftsmith.data_gen.target import Target, load_target
 from draftsmith.eval import metrics
 from draftsmith.eval.config import build_settings

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from draftsmith import DraftsmithError
-from draftsmith.data_gen.manifest import atomic_folder, atomic_write_json, claim_output, write_manifest
+from draftsmith.artifacts import atomic_folder, atomic_write_json, claim_output, write_manifest
 from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"

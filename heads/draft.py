@@ -198,7 +198,7 @@ def save_draft(drafter, folder, manifest_target: Optional[dict] = None, stage: s
                dtype: Optional[torch.dtype] = None) -> Path:
     """Write a plain HF model folder (LoRA merged) atomically: model.safetensors, config.json,
     generation_config.json, the tokenizer and, with a target identity, manifest.json."""
-    from draftsmith.data_gen.manifest import atomic_folder, write_manifest
+    from draftsmith.artifacts import atomic_folder, write_manifest
 
     folder = Path(folder)
     model = drafter.merged() if isinstance(drafter, DraftLM) else drafter

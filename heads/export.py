@@ -15,7 +15,7 @@ import torch
 from omegaconf.errors import MissingMandatoryValue
 
 from draftsmith import DraftsmithError
-from draftsmith.data_gen.manifest import MANIFEST, claim_output, owns, prepare_output, read_manifest
+from draftsmith.artifacts import MANIFEST, claim_output, owns, prepare_output, read_manifest
 from draftsmith.data_gen.target import torch_dtype
 from draftsmith.heads.checkpoint import CONFIG
 

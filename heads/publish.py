@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from draftsmith import DraftsmithError
-from draftsmith.data_gen.manifest import (MANIFEST, OWNER, atomic_folder, atomic_write_bytes, atomic_write_json,
+from draftsmith.artifacts import (MANIFEST, OWNER, atomic_folder, atomic_write_bytes, atomic_write_json,
                                           claim_output, prepare_output, read_manifest)
 from draftsmith.heads.export import is_set
 

@@ -8,8 +8,9 @@
 2. For every loss: `draftsmith train method=draft method.loss=<loss>` (--mode: online, or offline from
    the data's top-k cache written by `data-gen ... topk_logits=true`), the same --steps,
    learning rate and data (the data-gen folder's last --holdout conversations held out).
-3. `draftsmith eval` of each folder on those held-out prompts: every loss at --table-temperatures
-   (tau, our decoder's tokens/s); `before` and the best loss at every --temperatures with
+3. `draftsmith eval` of each folder on those held-out prompts (all trainings first, then the evals):
+   `before` at every --temperatures, every loss at --table-temperatures (tau, our decoder's tokens/s),
+   then the best loss at every --temperatures; `before` and the best with
    transformers' assisted generation (`baselines=[hf_assisted]`) with the same draft folder beside
    our decoder, in one eval run each.
 Prints the tables and writes every figure (and each eval's report) to --out.
@@ -25,14 +26,14 @@ import time
 from pathlib import Path
 
 from draftsmith.configs import compose
-from draftsmith.data_gen.manifest import atomic_write_json
+from draftsmith.artifacts import atomic_write_json
 
 
 def eval_row(head: str, data: str, out: Path, temperature: float, args, assisted: bool) -> dict:
     from draftsmith.eval.run import run as run_eval
 
     overrides = [f"target={args.target}", f"head={head}", "prompts.source=holdout", f"prompts.path={data}",
-                 f"prompts.holdout={args.holdout}", "prompts.n=null", f"max_new_tokens={args.max_new_tokens}",
+                 f"prompts.holdout={args.holdout}", f"prompts.n={args.eval_prompts}", f"max_new_tokens={args.max_new_tokens}",
                  f"temperature={temperature}", f"drafting.num_speculative_tokens={args.k}", f"repeats={args.repeats}",
                  "progress=false", "plot=false", f"out={out}", "overwrite=true"]
     if assisted:
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--micro-batch-size", type=int, default=2)
     ap.add_argument("--max-length", type=int, default=384)
-    ap.add_argument("--holdout", type=int, default=6)
+    ap.add_argument("--holdout", type=int, default=6, help="the data's last conversations, held out of training")
+    ap.add_argument("--eval-prompts", type=int, default=None, help="eval a sample of that many held-out prompts")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens of our decoder")
@@ -114,10 +116,13 @@ def main(argv: list[str] | None = None) -> int:
                      if "hf_assisted_tokens_per_s" in r else ""), file=sys.stderr, flush=True)
         atomic_write_json(args.out, result)
 
-    evaluate("before", before, True, args.temperatures)
     for loss in args.losses:
         result["trained"][loss] = train(loss, args.data, work / f"train_{loss}", args)
-        print(f"trained {loss}: {result['trained'][loss]['last_step']}", file=sys.stderr, flush=True)
+        print(f"trained {loss} in {result['trained'][loss]['seconds']} s: {result['trained'][loss]['last_step']}, "
+              f"held-out {result['trained'][loss]['val']}", file=sys.stderr, flush=True)
+        atomic_write_json(args.out, result)
+    evaluate("before+hf", before, True, args.temperatures)
+    for loss in args.losses:
         evaluate(loss, result["trained"][loss]["final"], False, args.table_temperatures)
     t0 = args.table_temperatures[0]
     best = max(args.losses, key=lambda l: next(r["tau"] for r in result["eval"][l] if r["temperature"] == t0))
@@ -125,19 +130,19 @@ def main(argv: list[str] | None = None) -> int:
     result["best_loss"] = best
     result["tau_gain_vs_before"] = {
         f"T={t:g}": next(r["tau"] for r in result["eval"][f"{best}+hf"] if r["temperature"] == t)
-        / next(r["tau"] for r in result["eval"]["before"] if r["temperature"] == t) - 1 for t in args.temperatures}
+        / next(r["tau"] for r in result["eval"]["before+hf"] if r["temperature"] == t) - 1 for t in args.temperatures}
     result["seconds"] = round(time.perf_counter() - t_start, 1)
     atomic_write_json(args.out, result)
 
     print("\n| loss | " + " | ".join(f"tau T={t:g}" for t in args.table_temperatures) + " | train s |")
     print("|---|" + "---:|" * (len(args.table_temperatures) + 1))
-    for name in ["before", *args.losses]:
+    for name in ["before+hf", *args.losses]:
         taus = " | ".join(f"{r['tau']:.3f}" for r in result["eval"][name] if r["temperature"] in args.table_temperatures)
         secs = result["trained"][name]["seconds"] if name in result["trained"] else "-"
         print(f"| {name} | {taus} | {secs} |")
     print(f"\nbest loss: {best}; tau gain vs before: "
           + ", ".join(f"{k} {v:+.1%}" for k, v in result["tau_gain_vs_before"].items()))
-    for name in ("before", f"{best}+hf"):
+    for name in ("before+hf", f"{best}+hf"):
         for r in result["eval"][name]:
             print(f"{name} T={r['temperature']:g}: ours {r['ours_tokens_per_s']:.1f} tok/s vs transformers assisted "
                   f"{r['hf_assisted_tokens_per_s']:.1f} tok/s (x{r['ours_over_hf_assisted']:.2f}); "

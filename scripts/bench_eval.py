@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from draftsmith.configs import compose
-from draftsmith.data_gen.manifest import atomic_write_json
+from draftsmith.artifacts import atomic_write_json
 from draftsmith.eval.run import run
 
 SPEC_BENCH = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_question.jsonl")  # ../shared beside the repo

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.configs import compose
-from draftsmith.data_gen.manifest import atomic_write_json
+from draftsmith.artifacts import atomic_write_json
 
 
 class TimedProposer:

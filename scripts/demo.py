@@ -32,8 +32,8 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 from draftsmith import DraftsmithError
-from draftsmith.data_gen import manifest as mf
-from draftsmith.data_gen.manifest import atomic_write_bytes, atomic_write_json
+from draftsmith import artifacts as mf
+from draftsmith.artifacts import atomic_write_bytes, atomic_write_json
 
 # Sizes of each flavour; a DemoConfig knob left at None takes its flavour's value.
 FLAVOURS = {

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from draftsmith import DraftsmithError
-from draftsmith.data_gen import manifest as mf
+from draftsmith import artifacts as mf
 from draftsmith.data_gen import run as dg
 from draftsmith.data_gen.dataset import load_conversations, load_tokenized
 

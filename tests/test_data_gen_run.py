@@ -8,7 +8,7 @@ import pytest
 
 from draftsmith import DraftsmithError
 from draftsmith.cli import main
-from draftsmith.data_gen import manifest as mf
+from draftsmith import artifacts as mf
 from draftsmith.data_gen.dataset import HiddenStates, load_conversations, load_tokenized
 from draftsmith.data_gen.run import run
 

@@ -11,7 +11,7 @@ import pytest
 
 from draftsmith import DraftsmithError
 from draftsmith.cli import main
-from draftsmith.data_gen import manifest as mf
+from draftsmith import artifacts as mf
 from draftsmith.heads.checkpoint import save_eagle3
 from test_heads_checkpoint import random_head
 from test_train_data import make_tiny_data

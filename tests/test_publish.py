@@ -211,7 +211,7 @@ def test_card_summarises_the_training_run_and_its_data(evaluated, tmp_path):
 
     from huggingface_hub import ModelCard
 
-    from draftsmith.data_gen.manifest import atomic_write_bytes, write_manifest
+    from draftsmith.artifacts import atomic_write_bytes, write_manifest
 
     head, _, _ = evaluated
     data = tmp_path / "data"

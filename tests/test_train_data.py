@@ -16,7 +16,7 @@ def make_tiny_data(folder, target, n: int = 12, min_len: int = 10, max_len: int 
     import datasets
 
     from draftsmith.data_gen.capture import capture_hidden_states
-    from draftsmith.data_gen.manifest import write_manifest
+    from draftsmith.artifacts import write_manifest
 
     folder = Path(folder)
     rng = random.Random(seed)

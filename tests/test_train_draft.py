@@ -138,7 +138,7 @@ def test_resume_is_exact(tiny_data, tmp_path, deepspeed, lora):
 
 def test_topk_cache_with_k_equal_to_vocab_trains_like_online(target, tmp_path):
     """data-gen's top-k cache (data_gen/topk.py) at k = V: offline training gives the online losses."""
-    from draftsmith.data_gen.manifest import read_manifest, write_manifest
+    from draftsmith.artifacts import read_manifest, write_manifest
     from draftsmith.data_gen.topk import bytes_per_token, capture_topk_logits
 
     data = make_tiny_data(tmp_path / "data", target, n=8)

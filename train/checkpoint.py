@@ -40,7 +40,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith import DraftsmithError
-from draftsmith.data_gen.manifest import atomic_write_json
+from draftsmith.artifacts import atomic_write_json
 
 STATE = "train_state.json"
 

@@ -24,7 +24,7 @@ import torch
 from omegaconf import OmegaConf
 
 from draftsmith import DraftsmithError
-from draftsmith.data_gen.manifest import atomic_write_bytes, atomic_write_json, claim_output, prepare_output
+from draftsmith.artifacts import atomic_write_bytes, atomic_write_json, claim_output, prepare_output
 from draftsmith.data_gen.target import load_target
 from draftsmith.methods import Method, method_for_config
 from draftsmith.train import checkpoint as ckpt

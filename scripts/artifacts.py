@@ -1,4 +1,5 @@
-"""Artifact manifests and atomic writes shared by every stage.
+"""Artifacts (`draftsmith.artifacts`): manifests, atomic writes and output-folder ownership, used by
+every stage, so it lives in the package root beside the CLI and the method table.
 
 Every artifact is a folder with `manifest.json`: schema version, the stage that produced it,
 the target's identity (id, hash, tokenizer hash, sizes) and counts. A stage checks its input's
