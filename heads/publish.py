@@ -1,4 +1,4 @@
-"""`draftsmith publish`: an EAGLE-3 head -> one Hub-ready folder (engine formats + a measured model card) -> the Hub.
+"""`draftsmith publish`: a trained head -> one Hub-ready folder (engine formats + a measured model card) -> the Hub.
 
     draftsmith publish head=runs/eagle3 report=runs/eval repo_id=me/Llama-3.1-8B-eagle3 dry_run=true
     draftsmith publish head=runs/eagle3 report=runs/eval repo_id=me/Llama-3.1-8B-eagle3 private=true
@@ -36,8 +36,9 @@ DEFAULT_K = 3  # speculative tokens in the serving commands when no eval report 
 class PublishConfig:
     head: str = "???"  # the EAGLE-3 head: a `draftsmith train` out/ folder or its final/ folder
     repo_id: str = "???"  # the Hub model repo to create or update, as <owner>/<name>
-    # formats written: eagle3 (vLLM and SGLang) and/or speculators (vLLM); the first at the repo root
-    formats: list[str] = field(default_factory=lambda: ["eagle3", "speculators"])
+    # formats written, the first at the repo root; None = every format of the head's method
+    # (EAGLE-3: eagle3 for vLLM and SGLang, then speculators for vLLM)
+    formats: Optional[list[str]] = None
     report: Optional[str] = None  # eval out/ folder (or its report.json) of this same head: the card's numbers
     allow_no_eval: bool = False  # true: publish without an eval report (the card says nothing was measured)
     base_model: Optional[str] = None  # the target's Hub id (card + serving commands); null = the head's target id
@@ -58,15 +59,16 @@ class PublishConfig:
 
         if self.repo_id != "???":
             check_repo_id(self.repo_id)
-        formats = list(self.formats or [])
         from draftsmith.methods import export_formats
 
-        if not formats:
-            raise DraftsmithError(f"formats=[] is empty; choose one or more of {', '.join(export_formats())}.")
-        for fmt in formats:
-            checks.one_of("formats", fmt, export_formats())
-        if len(set(formats)) != len(formats):
-            raise DraftsmithError(f"formats={formats} names a format twice.")
+        if self.formats is not None:
+            formats = list(self.formats)
+            if not formats:
+                raise DraftsmithError(f"formats=[] is empty; choose one or more of {', '.join(export_formats())}.")
+            for fmt in formats:
+                checks.one_of("formats", fmt, export_formats())
+            if len(set(formats)) != len(formats):
+                raise DraftsmithError(f"formats={formats} names a format twice.")
         checks.at_least("speculative_tokens", self.speculative_tokens, 1, null="the eval report's K")
         checks.one_of("dtype", self.dtype, DTYPES)
 
@@ -369,7 +371,7 @@ def write_formats(folder: Path, tmp: Path, formats: list[str], cfg, base_model: 
 def write_publish_folder(cfg, out: Path, folder: Path, report: Optional[tuple[dict, Path]], base_model: str,
                          license: str, k: int, method=None) -> Path:
     """The Hub-ready folder (atomically): formats, eval/ (report + plot), README.md."""
-    formats = list(cfg.formats)
+    formats = list(cfg.formats) if cfg.formats is not None else list(method.formats)
     with atomic_folder(out, owner="publish") as tmp:
         claim_output(tmp, "publish")
         write_formats(folder, tmp, formats, cfg, base_model, k, method)
@@ -431,7 +433,7 @@ def run(cfg) -> dict:
             raise DraftsmithError(f"{key}= is required: pass {hint}.")
     repo_id = check_repo_id(cfg.repo_id)  # before any work
     folder, method = head_folder(cfg.head)
-    missing = [fmt for fmt in cfg.formats if fmt not in method.formats]
+    missing = [fmt for fmt in (cfg.formats or []) if fmt not in method.formats]
     if missing:
         raise DraftsmithError(f"formats has {missing[0]}, not a format of {method.name} heads; choose from "
                               f"{', '.join(method.formats)}.")
