@@ -55,16 +55,21 @@ class Method:
 
 # ---- EAGLE-3 ------------------------------------------------------------------------------------
 
+def check_target_hidden_size(folder: Path, target) -> None:
+    """A head whose fc reads the target's features must have been made for this target's width."""
+    config = read_folder_config(folder)
+    hidden = config.get("target_hidden_size") or config.get("hidden_size")
+    if hidden != target.hidden_size:
+        raise DraftsmithError(f"head {folder} reads target hidden size {hidden}, but target {target.target_id!r} "
+                              f"has {target.hidden_size}: it was made for another target.")
+
+
 def _load_eagle3(folder: Path, target=None):
     from draftsmith.heads.checkpoint import load_eagle3
 
     if target is None:
         return load_eagle3(folder)
-    config = read_folder_config(folder)
-    hidden = config.get("target_hidden_size") or config.get("hidden_size")
-    if hidden != target.hidden_size:  # the fc layer reads the target's features
-        raise DraftsmithError(f"head {folder} reads target hidden size {hidden}, but target {target.target_id!r} "
-                              f"has {target.hidden_size}: it was made for another target.")
+    check_target_hidden_size(folder, target)
     return load_eagle3(folder, device=target.device, dtype=target.dtype,
                        target_embeddings=target.model.get_input_embeddings())
 
@@ -117,11 +122,7 @@ def _load_peagle(folder: Path, target=None):
 
     if target is None:
         return load_peagle(folder)
-    config = read_folder_config(folder)
-    hidden = config.get("target_hidden_size") or config.get("hidden_size")
-    if hidden != target.hidden_size:  # the fc layer reads the target's features
-        raise DraftsmithError(f"head {folder} reads target hidden size {hidden}, but target {target.target_id!r} "
-                              f"has {target.hidden_size}: it was made for another target.")
+    check_target_hidden_size(folder, target)
     return load_peagle(folder, device=target.device, dtype=target.dtype,
                        target_embeddings=target.model.get_input_embeddings())
 
