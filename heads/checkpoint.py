@@ -37,25 +37,32 @@ EMBED = "embed_tokens.weight"
 # What the folder holds
 
 
+def layer_shapes(config, prefix: str, in_width: int) -> dict[str, tuple[int, ...]]:
+    """One Llama decoder layer's tensors under `prefix` whose q/k/v read `in_width` features."""
+    H, I = config.hidden_size, config.intermediate_size
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    return {
+        prefix + "input_layernorm.weight": (H,),
+        prefix + "post_attention_layernorm.weight": (H,),
+        prefix + "self_attn.q_proj.weight": (q, in_width),
+        prefix + "self_attn.k_proj.weight": (kv, in_width),
+        prefix + "self_attn.v_proj.weight": (kv, in_width),
+        prefix + "self_attn.o_proj.weight": (H, q),
+        prefix + "mlp.gate_proj.weight": (I, H),
+        prefix + "mlp.up_proj.weight": (I, H),
+        prefix + "mlp.down_proj.weight": (H, I),
+    }
+
+
 def eagle3_tensor_shapes(config) -> dict[str, tuple[int, ...]]:
     """Every tensor of the EAGLE-3 folder (embed_tokens included) and its shape, for `config`."""
     H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
     H_t = getattr(config, "target_hidden_size", None) or H
-    q = config.num_attention_heads * config.head_dim
-    kv = config.num_key_value_heads * config.head_dim
-    I = config.intermediate_size
     return {
         "fc.weight": (H, 3 * H_t),
-        "midlayer.input_layernorm.weight": (H,),
         "midlayer.hidden_norm.weight": (H,),
-        "midlayer.post_attention_layernorm.weight": (H,),
-        "midlayer.self_attn.q_proj.weight": (q, 2 * H),
-        "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
-        "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
-        "midlayer.self_attn.o_proj.weight": (H, q),
-        "midlayer.mlp.gate_proj.weight": (I, H),
-        "midlayer.mlp.up_proj.weight": (I, H),
-        "midlayer.mlp.down_proj.weight": (H, I),
+        **layer_shapes(config, "midlayer.", 2 * H),  # q/k/v read [embedding; hidden]
         "norm.weight": (H,),
         "lm_head.weight": (Vd, H),
         "d2t": (Vd,),

@@ -23,11 +23,11 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.heads.checkpoint import (CONFIG, EMBED, FIXED_DTYPES, WEIGHTS, config_from_json,
-                                         default_aux_layer_ids, eagle3_config_json, keep_rope_fp32,
+                                         default_aux_layer_ids, eagle3_config_json, keep_rope_fp32, layer_shapes,
                                          llama_layer_config, read_checked_tensors, read_config_json,
                                          write_head_folder)
 from draftsmith.heads.peagle import PEagleHead
-from draftsmith.heads.speculators import SPECULATORS_VERSION, verifier_architectures
+from draftsmith.heads.speculators import SPECULATORS_VERSION, speculators_config
 
 PEAGLE_SPECULATORS_ARCHITECTURE = "PEagleDraftModel"
 MASK = "mask_hidden"
@@ -37,20 +37,9 @@ def peagle_tensor_shapes(config) -> dict[str, tuple[int, ...]]:
     """Every tensor of the parallel-drafting folder (embed_tokens included) and its shape, for `config`."""
     H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
     H_t = getattr(config, "target_hidden_size", None) or H
-    q = config.num_attention_heads * config.head_dim
-    kv = config.num_key_value_heads * config.head_dim
-    I = config.intermediate_size
-    shapes = {"fc.weight": (H, 3 * H_t), MASK: (1, 3 * H_t)}
+    shapes = {"fc.weight": (H, 3 * H_t), MASK: (1, 3 * H_t), "layers.0.hidden_norm.weight": (H,)}
     for i in range(config.num_hidden_layers):
-        width = 2 * H if i == 0 else H  # the first layer reads [embedding; hidden]
-        p = f"layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-                       p + "self_attn.q_proj.weight": (q, width), p + "self_attn.k_proj.weight": (kv, width),
-                       p + "self_attn.v_proj.weight": (kv, width), p + "self_attn.o_proj.weight": (H, q),
-                       p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
-                       p + "mlp.down_proj.weight": (H, I)})
-        if i == 0:
-            shapes[p + "hidden_norm.weight"] = (H,)
+        shapes.update(layer_shapes(config, f"layers.{i}.", 2 * H if i == 0 else H))  # the first reads [embedding; hidden]
     shapes.update({"norm.weight": (H,), "lm_head.weight": (Vd, H), "d2t": (Vd,), "t2d": (V,), EMBED: (V, H)})
     return shapes
 
@@ -160,13 +149,7 @@ def speculators_peagle_config_json(head: PEagleHead, verifier: Optional[str], sp
         "embed_requires_grad": bool(getattr(config, "train_embeddings", True)),
         "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
-        "speculators_config": {
-            "algorithm": "peagle",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": verifier_architectures(verifier)},
-        },
+        "speculators_config": speculators_config("peagle", verifier, speculative_tokens),
     }
 
 

@@ -60,17 +60,22 @@ def speculators_config_json(head: Eagle3Head, verifier: Optional[str], speculati
         "embed_requires_grad": False,
         "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{
-                "proposal_type": "greedy",
-                "speculative_tokens": int(speculative_tokens),
-                "verifier_accept_k": 1,
-                "accept_tolerance": 0.0,
-            }],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": verifier_architectures(verifier)},
-        },
+        "speculators_config": speculators_config("eagle3", verifier, speculative_tokens),
+    }
+
+
+def speculators_config(algorithm: str, verifier: Optional[str], speculative_tokens: int) -> dict:
+    """The `speculators_config` block: the greedy proposal of `speculative_tokens` and the verifier."""
+    return {
+        "algorithm": algorithm,
+        "proposal_methods": [{
+            "proposal_type": "greedy",
+            "speculative_tokens": int(speculative_tokens),
+            "verifier_accept_k": 1,
+            "accept_tolerance": 0.0,
+        }],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": verifier, "architectures": verifier_architectures(verifier)},
     }
 
 
