@@ -78,9 +78,15 @@ FIXED_DTYPES = {"d2t": torch.int64, "t2d": torch.bool}
 def head_tensors(head: Eagle3Head, dtype: Optional[torch.dtype] = None,
                  include_embeddings: bool = True) -> dict[str, torch.Tensor]:
     """The head's tensors under the EAGLE-3 folder's names, contiguous on CPU, floats in `dtype`."""
+    return folder_tensors(head, eagle3_tensor_shapes(head.config), dtype, include_embeddings)
+
+
+def folder_tensors(head: torch.nn.Module, names, dtype: Optional[torch.dtype] = None,
+                   include_embeddings: bool = True) -> dict[str, torch.Tensor]:
+    """`names` of the head's state dict, contiguous on CPU, floats in `dtype` (d2t / t2d keep theirs)."""
     state = head.state_dict()
     out = {}
-    for name in eagle3_tensor_shapes(head.config):
+    for name in names:
         if name == EMBED and not include_embeddings:
             continue
         t = state[name].detach()

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.heads.checkpoint import (CONFIG, EMBED, FIXED_DTYPES, WEIGHTS, config_from_json,
+from draftsmith.heads.checkpoint import (CONFIG, EMBED, WEIGHTS, config_from_json, folder_tensors,
                                          default_aux_layer_ids, eagle3_config_json, keep_rope_fp32, layer_shapes,
                                          llama_layer_config, read_checked_tensors, read_config_json,
                                          write_head_folder)
@@ -49,15 +49,7 @@ def peagle_tensors(head: PEagleHead, dtype: Optional[torch.dtype] = None,
     """The drafter's tensors under the folder's names, contiguous on CPU, floats in `dtype`. Trained
     embeddings are always included (they are no longer the target's)."""
     include_embeddings = include_embeddings or bool(getattr(head.config, "train_embeddings", True))
-    state = head.state_dict()
-    out = {}
-    for name in peagle_tensor_shapes(head.config):
-        if name == EMBED and not include_embeddings:
-            continue
-        t = state[name].detach()
-        t = t.to(FIXED_DTYPES[name]) if name in FIXED_DTYPES else t.to(dtype or t.dtype)
-        out[name] = t.to("cpu").contiguous()
-    return out
+    return folder_tensors(head, peagle_tensor_shapes(head.config), dtype, include_embeddings)
 
 
 # ---- format=peagle: the folder vLLM serves with parallel drafting --------------------------------------
