@@ -57,11 +57,20 @@ def list_checkpoints(out: str | Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if (p / STATE).is_file())
 
 
+NO_RESUME = ("false", "none", "no", "0", "")
+LATEST = ("true", "yes", "1", "latest")
+
+
+def resume_path_given(resume: Optional[str]) -> Optional[str]:
+    """The folder `resume=` names, or None when it says no / latest (a folder is an input of the run)."""
+    return None if resume is None or str(resume).lower() in NO_RESUME + LATEST else str(resume)
+
+
 def resolve_resume(resume: Optional[str], out: str | Path) -> Optional[Path]:
     """The checkpoint folder `resume=` names (true = the latest under out/), or None."""
-    if resume is None or str(resume).lower() in ("false", "none", "no", "0", ""):
+    if resume is None or str(resume).lower() in NO_RESUME:
         return None
-    if str(resume).lower() in ("true", "yes", "1", "latest"):
+    if str(resume).lower() in LATEST:
         found = list_checkpoints(out)
         if not found:
             raise DraftsmithError(f"resume=true but {checkpoint_dir(out)} holds no complete checkpoint.")

@@ -83,8 +83,7 @@ def close_distributed() -> None:
 
 def check_output(cfg) -> Path:
     """out= may be new, empty or train's own earlier output, and never holds what this run reads."""
-    keywords = ("none", "false", "no", "0", "", "true", "yes", "1", "latest")
-    resume_path = None if str(cfg.resume).lower() in keywords else cfg.resume  # a checkpoint folder is read too
+    resume_path = ckpt.resume_path_given(cfg.resume)  # a checkpoint folder is read too
     return prepare_output(cfg.out, "train", [("data", cfg.data), ("resume", resume_path), ("target", cfg.target.name)],
                           overwrite=bool(cfg.overwrite))
 
