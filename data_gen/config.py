@@ -41,6 +41,10 @@ class PromptsConfig(PromptSetConfig):
     system: Optional[str] = None
     # self: give up after this many sampled prompts (None = 8 * n)
     max_attempts: Optional[int] = None
+    # self: steer the written prompts across task kinds, round robin (data_gen/prompts.py TASK_OPENERS:
+    # code, extraction, math, reasoning, summarisation, translation, roleplay, writing, knowledge,
+    # general); each prompt starts with an opener of its kind and the kind is its category
+    kinds: Optional[list[str]] = None  # self: task kinds to steer the prompts across (None = unsteered)
 
     def __post_init__(self):
         super().__post_init__()
@@ -49,6 +53,14 @@ class PromptsConfig(PromptSetConfig):
         checks.in_range("prompts.top_p", self.top_p, 0, 1, low_open=True)
         checks.at_least("prompts.max_prompt_tokens", self.max_prompt_tokens, 1)
         checks.at_least("prompts.max_attempts", self.max_attempts, 1, null="8 * n")
+        if self.kinds is not None:
+            from draftsmith.data_gen.prompts import TASK_OPENERS
+
+            if not self.kinds:
+                raise DraftsmithError("prompts.kinds=[] names no task kind; give some "
+                                      f"({', '.join(TASK_OPENERS)}) or null for unsteered prompts.")
+            for kind in self.kinds:
+                checks.one_of("prompts.kinds", kind, TASK_OPENERS)
 
     def check_required(self):
         """Before a run (draftsmith.configs.check_config): every source but self reads prompts.path."""
@@ -60,12 +72,12 @@ class PromptsConfig(PromptSetConfig):
 @dataclass
 class BackendConfig:
     kind: str = "hf"  # hf (batched, built in) | openai (any OpenAI-compatible server: vllm serve, SGLang)
-    batch_size: int = 16  # hf: conversations generated together
+    batch_size: int = 16  # hf: conversations decoded together (rows of the static KV cache)
     url: str = "http://127.0.0.1:8000/v1"  # openai: the server's base URL
     model: Optional[str] = None  # served model name for the openai backend
     concurrency: int = 8  # openai: requests in flight
     timeout_s: float = 600.0  # openai: seconds per request
-    # hf: drop finished rows from the batch (and its KV cache) as they end
+    # hf: a finished row takes the next waiting prompt at once (false: fixed batches wait for their longest answer)
     prune_finished: bool = True
 
     def __post_init__(self):
@@ -76,10 +88,45 @@ class BackendConfig:
 
 
 @dataclass
+class FiltersConfig:
+    """Quality filters (data_gen/filters.py): a self-written prompt that fails is resampled, a sample
+    whose regenerated answer fails is dropped; the manifest counts what each filter dropped."""
+
+    prompts: bool = False  # filter the self-written prompts (prompts=self)
+    answers: bool = False  # drop samples whose regenerated answer fails the length, repetition or language filter
+    near_dup: Optional[float] = 0.7  # prompts: word 3-gram Jaccard at which a prompt is a near duplicate; null = exact only
+    drop_unfinished: bool = True  # prompts: drop a prompt cut off by prompts.max_prompt_tokens (a run-on)
+    min_words: int = 3  # prompts: fewest words
+    max_words: Optional[int] = None  # prompts: most words (None = no bound beyond max_prompt_tokens)
+    min_answer_words: int = 1  # answers: fewest words
+    max_repetition: Optional[float] = 0.5  # share of repeated word n-grams above which text is dropped; null = off
+    repetition_n: int = 3  # the n of the repetition filter's word n-grams
+    language: Optional[str] = "en"  # en: mostly Latin letters and English function words; null = no language check
+    min_latin: float = 0.9  # language=en: least share of letters that are Latin
+    min_stopwords: float = 0.15  # language=en: least share of English function words (texts of 8+ words)
+
+    def __post_init__(self):
+        if self.near_dup is not None:
+            checks.in_range("filters.near_dup", self.near_dup, 0, 1, low_open=True, note=" (or null for exact only)")
+        checks.at_least("filters.min_words", self.min_words, 0)
+        checks.at_least("filters.max_words", self.max_words, max(self.min_words, 1), null="no bound")
+        checks.at_least("filters.min_answer_words", self.min_answer_words, 0)
+        if self.max_repetition is not None:
+            checks.in_range("filters.max_repetition", self.max_repetition, 0, 1, high_open=True,
+                            note=" (or null for off)")
+        checks.at_least("filters.repetition_n", self.repetition_n, 1)
+        if self.language is not None:
+            checks.one_of("filters.language", self.language, ("en",))
+        checks.in_range("filters.min_latin", self.min_latin, 0, 1)
+        checks.in_range("filters.min_stopwords", self.min_stopwords, 0, 1)
+
+
+@dataclass
 class DataGenConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
+    filters: FiltersConfig = field(default_factory=FiltersConfig)  # quality filters (filters.prompts / filters.answers)
     out: str = "runs/data"  # output folder
     overwrite: bool = False  # true: write into an out folder that is not an earlier data-gen output
     seed: int = 0  # sampling seed of the regeneration

@@ -8,7 +8,8 @@ Sources (cfg.source):
   openai    JSONL, `messages: [{role, content}]`
   question  Spec-Bench / MT-bench JSONL: `question_id`, `category`, `turns` (user turns)
   hf        a `datasets` dataset saved to disk, or a hub id (columns `messages` or `conversations`)
-  self      Magpie-style: the target writes the user prompts itself
+  self      Magpie-style: the target writes the user prompts itself (prompts.kinds steers them
+            across task kinds; filters.prompts drops degenerate ones: data_gen/filters.py)
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 ROLES = ("system", "user", "assistant")
 
 
-def load_prompts(cfg: PromptsConfig, target=None) -> list[dict]:
-    """Read the prompt set named by `cfg` (first `cfg.n` samples); one sentence if it is empty."""
+def load_prompts(cfg: PromptsConfig, target=None, filters=None, dropped: Optional[dict] = None) -> list[dict]:
+    """Read the prompt set named by `cfg` (first `cfg.n` samples); one sentence if it is empty.
+
+    `filters` / `dropped`: the quality filters of self-written prompts and their counts (self_prompts)."""
     if cfg.source == "self":
         if target is None:
             raise DraftsmithError("prompts=self needs the target to write the prompts.")
-        samples = self_prompts(target, cfg)
+        samples = self_prompts(target, cfg, filters, dropped)
     elif cfg.source in FILE_SOURCES:
         if not cfg.path:
             raise DraftsmithError(f"prompts={cfg.source} needs a file: set prompts.path=<file.jsonl>.")
@@ -208,32 +211,93 @@ def user_header(tokenizer, system: str | None = None) -> str:
     return rendered[: rendered.index(marker)]
 
 
+# Openers that steer a self-written prompt toward a task kind: the target continues the user turn
+# after one of them (the opener stays part of the prompt). `general` is the bare header (Magpie).
+# The kinds follow what users send (Spec-Bench's categories: coding, extraction, math, reasoning,
+# summarization, translation, roleplay, writing, stem / humanities / qa).
+TASK_OPENERS = {
+    "code": ["Write a Python function that", "How do I", "Fix the bug in this code:\n\n```python\n",
+             "Explain what this code does:\n\n```", "Write a SQL query that", "In JavaScript, how can I"],
+    "extraction": ["Extract all the names and dates from the following text:\n\n",
+                   "List the key facts in this paragraph:\n\n",
+                   "From the text below, pull out every product and its price.\n\n",
+                   "Identify the main entities mentioned in this passage:\n\n"],
+    "math": ["Solve for x:", "What is", "A train travels", "Calculate the", "If a rectangle has",
+             "Prove that", "How many ways"],
+    "reasoning": ["If all", "Which of the following is true:", "Think step by step:", "A riddle:",
+                  "What comes next in the sequence"],
+    "summarisation": ["Summarize the following article in three sentences:\n\n",
+                      "Give me a short summary of this text:\n\n", "TL;DR of the following:\n\n",
+                      "Summarize this email:\n\n"],
+    "translation": ["Translate into French:", "Translate the following sentence into Spanish:",
+                    "How do you say this in German:", "Translate this text into English:\n\n"],
+    "roleplay": ["Pretend you are", "Let's play a game. You are", "Act as", "Imagine you are a",
+                 "You are a pirate captain."],
+    "writing": ["Write a short story about", "Write an email to", "Write a poem about",
+                "Write a blog post about", "Draft a cover letter for"],
+    "knowledge": ["Why does", "What is the difference between", "Explain how", "Who was",
+                  "What causes", "How does"],
+    "general": [""],
+}
+
+
 @torch.no_grad()
-def self_prompts(target, cfg: PromptsConfig) -> list[dict]:
-    """Sample user turns from the target after the bare user header; dedupe; stop at n or max_attempts."""
+def self_prompts(target, cfg: PromptsConfig, filters=None, dropped: Optional[dict] = None) -> list[dict]:
+    """Sample user turns from the target after the bare user header (or after an opener of a task kind,
+    prompts.kinds); dedupe; stop at n or max_attempts.
+
+    `filters` (a FiltersConfig with filters.prompts on): a prompt that fails a filter of
+    data_gen/filters.py is not kept and another is sampled; `dropped` gets each filter's count.
+    """
+    import random
+
+    from draftsmith.data_gen.filters import PromptFilter
     from draftsmith.data_gen.regenerate import SamplingParams, generate_tokens
     from draftsmith.progress import progress
 
     n = cfg.n if cfg.n is not None else 64
     max_attempts = cfg.max_attempts or 8 * n
     tok = target.tokenizer
-    header_ids = tok(user_header(tok, cfg.system), add_special_tokens=False)["input_ids"]
+    header = user_header(tok, cfg.system)
     params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_prompt_tokens)
+    check = PromptFilter(filters) if filters is not None and filters.prompts else None
+    kinds = list(cfg.kinds) if cfg.kinds else None
     seen, samples, attempt = set(), [], 0
     with progress(total=n, desc="self prompts", unit="prompt") as bar:
         while len(samples) < n and attempt < max_attempts:
             batch = min(max(n - len(samples), 8), max_attempts - attempt, 64)
             seeds = [hash_seed(cfg.seed, "self", attempt + j) for j in range(batch)]
-            outs = generate_tokens(target, [header_ids] * batch, params, seeds, batch_size=batch,
-                                   desc="self prompts")
+            # the kind goes round robin over the prompts kept so far, so the mix stays even when some are dropped
+            kind_of = [kinds[(len(samples) + j) % len(kinds)] if kinds else "self" for j in range(batch)]
+            openers = [random.Random(s).choice(TASK_OPENERS[k]) if kinds else "" for s, k in zip(seeds, kind_of)]
+            prompts = [tok(header + o, add_special_tokens=False)["input_ids"] for o in openers]
+            outs = generate_tokens(target, prompts, params, seeds, batch_size=batch, desc="self prompts")
             attempt += batch
             before = len(samples)
-            for ids, _ in outs:
-                text = tok.decode(ids, skip_special_tokens=True).strip()
-                if text and text not in seen and len(samples) < n:
-                    seen.add(text)
-                    messages = ([{"role": "system", "content": cfg.system}] if cfg.system else [])
-                    samples.append({"id": f"self-{len(samples):06d}", "category": "self",
-                                    "messages": messages + [{"role": "user", "content": text}]})
+            for (ids, finish), opener, kind in zip(outs, openers, kind_of):
+                text = (opener + tok.decode(ids, skip_special_tokens=True)).strip()
+                if len(samples) >= n:
+                    continue
+                if check is not None:  # (it drops empty prompts and exact duplicates too, and counts them)
+                    if check.reason(text, finish == "stop") is not None:
+                        continue
+                elif not text or text in seen:
+                    continue
+                seen.add(text)
+                messages = ([{"role": "system", "content": cfg.system}] if cfg.system else [])
+                samples.append({"id": f"self-{len(samples):06d}", "category": kind,
+                                "messages": messages + [{"role": "user", "content": text}]})
             bar.update(len(samples) - before)
+    if dropped is not None and check is not None:
+        dropped.update(check.dropped)
+    if check is not None:
+        total = sum(check.dropped.values())
+        print(f"prompts: filters dropped {total} of {total + len(samples)} self-written prompts "
+              f"({filter_counts_text(check.dropped)}).", file=sys.stderr, flush=True)
     return samples
+
+
+def filter_counts_text(dropped: dict) -> str:
+    """`repetition 3, language 2` from {filtered_prompts_repetition: 3, ...} (zeros left out)."""
+    parts = [f"{k.rsplit('_', 1)[1]} {v}" for k, v in dropped.items() if v]
+    return ", ".join(parts) or "none"

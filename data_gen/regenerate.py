@@ -5,8 +5,8 @@ with the target's own answers to rounds < r plus the r-th user segment, so turn 
 holds the target's answer to turn 1.
 
 Backends (looked up in BACKENDS):
-  hf      built in: left-padded, length-sorted batches through one batched decode loop with
-          the HF KV cache; finished rows leave the batch (and its cache) as they end.
+  hf      built in: draftsmith.data_gen.batching's continuous batching (a static KV cache whose
+          rows, as their answers end, are refilled with waiting prompts).
   openai  any OpenAI-compatible server (`vllm serve`, SGLang): POST /v1/chat/completions with
           bounded concurrency.
 A backend's `chat(conversations, seeds, done=None)` returns one answer per conversation (None:
@@ -22,12 +22,10 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
-import torch
-from tqdm.auto import tqdm
-
 from draftsmith import DraftsmithError
+from draftsmith.data_gen.batching import generate_tokens
 from draftsmith.data_gen.config import BackendConfig
-from draftsmith.sampling import SamplingConfig, hash_seed, process_logits
+from draftsmith.sampling import SamplingConfig, hash_seed
 
 
 @dataclass
@@ -35,90 +33,6 @@ class SamplingParams(SamplingConfig):
     """What a backend generates with: the sampling rule and the answer length."""
 
     max_new_tokens: int = 256
-
-
-# --- the batched HF decode loop ---------------------------------------------------------------
-
-def sample_next(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> torch.Tensor:
-    """Next token per row: argmax when greedy, else draftsmith.sampling's rule with each row's own generator."""
-    if params.greedy:
-        return logits.argmax(dim=-1)
-    probs = process_logits(logits, params)  # (B, V) float64
-    # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) samples i with probability p_i.
-    noise = torch.stack([torch.empty(probs.shape[-1]).exponential_(generator=g) for g in generators])
-    return (probs / noise.to(probs.device)).argmax(dim=-1)
-
-
-@torch.inference_mode()
-def _generate_batch(model, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
-                    eos_ids: set[int], pad_id: int, prune: bool, bar) -> list[tuple[list[int], str]]:
-    from transformers import DynamicCache
-
-    device = next(model.parameters()).device
-    B, T = len(prompts), max(len(p) for p in prompts)
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, T), dtype=torch.long)
-    for r, p in enumerate(prompts):  # left padding: every row's last prompt token sits at T-1
-        input_ids[r, T - len(p):] = torch.tensor(p)
-        attn[r, T - len(p):] = 1
-    input_ids, attn = input_ids.to(device), attn.to(device)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (B, T)
-    cache = DynamicCache(config=model.config)
-    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=pos, cache=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1]  # (B, V)
-    next_pos = pos[:, -1:] + 1  # (B, 1)
-    generators = [torch.Generator().manual_seed(s) for s in seeds]
-    rows = list(range(B))  # batch row -> sample index
-    live = [True] * B  # per sample: still generating
-    out: list[list[int]] = [[] for _ in range(B)]
-    finish = ["length"] * B
-    for _ in range(params.max_new_tokens):
-        tokens = sample_next(logits, params, [generators[r] for r in rows])  # (b,)
-        for r, t in zip(rows, tokens.tolist()):
-            if not live[r]:
-                continue
-            if t in eos_ids:
-                finish[r], live[r] = "stop", False
-            else:
-                out[r].append(t)
-                live[r] = len(out[r]) < params.max_new_tokens
-        bar.update(len(rows))
-        if not any(live[r] for r in rows):
-            break
-        keep = [j for j, r in enumerate(rows) if live[r]]
-        if prune and len(keep) < len(rows):  # finished rows leave the batch and the KV cache
-            idx = torch.tensor(keep, device=device)
-            cache.batch_select_indices(idx)
-            attn, next_pos, tokens = attn[idx], next_pos[idx], tokens[idx]
-            rows = [rows[j] for j in keep]
-        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)
-        logits = model(input_ids=tokens[:, None], attention_mask=attn, position_ids=next_pos,
-                       cache=cache, use_cache=True).logits[:, -1]
-        next_pos = next_pos + 1
-    return [(out[r], finish[r]) for r in range(B)]
-
-
-def generate_tokens(target, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
-                    batch_size: int = 16, prune: bool = True, desc: str = "generate", done=None
-                    ) -> list[tuple[list[int], str]]:
-    """Generate for token-id prompts in length-sorted batches; (new ids without EOS, 'stop'|'length'), in order.
-
-    `done(i)`, if given, is called for each prompt index as its batch finishes (for progress).
-    """
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    eos = set(target.eos_token_ids)
-    pad = target.tokenizer.pad_token_id
-    results: list = [None] * len(prompts)
-    with tqdm(total=None, desc=desc, unit="tok", leave=False, disable=None) as bar:
-        for start in range(0, len(order), batch_size):
-            idx = order[start:start + batch_size]
-            outs = _generate_batch(target.model, [prompts[i] for i in idx], params, [seeds[i] for i in idx],
-                                   eos, pad, prune, bar)
-            for i, o in zip(idx, outs):
-                results[i] = o
-                if done is not None:
-                    done(i)
-    return results
 
 
 # --- backends: conversations in, assistant texts out ------------------------------------------

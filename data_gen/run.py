@@ -37,8 +37,10 @@ Resume: a rerun redoes only what its changed settings affect (a killed run is a 
                  top_p, max_new_tokens, regenerate_chunk (the chunk bounds) and the backend (hf:
                  batch_size and prune_finished, since batch composition changes padding and so the
                  floating-point numerics; openai: url and model, not concurrency or timeout_s);
-  tokenization   conversations/ and tokenized/ are reused when those and max_length, on_overflow and
-                 reasoning are equal (key in `.data_gen_key`), else redone from regenerated/;
+  tokenization   conversations/ and tokenized/ are reused when those and max_length, on_overflow,
+                 reasoning and the answer filters (filters.*, when filters.answers) are equal (key in
+                 `.data_gen_key`), else redone from regenerated/; self-written prompts are reused from
+                 regenerated/self_prompts.json when the prompts and prompt-filter settings are equal;
   hidden states  finished shards are kept unless hidden_states_dtype, samples_per_shard or the
                  tokenized set changed (capture_batch_size does not redo them).
 A resumed run writes the same output as an uninterrupted one: chunk bounds and batches are the same.
@@ -60,7 +62,8 @@ from omegaconf import OmegaConf
 from draftsmith import DraftsmithError
 from draftsmith import artifacts as mf
 from draftsmith.data_gen.capture import capture_hidden_states, finished_shards, num_shards, write_index
-from draftsmith.data_gen.prompts import load_prompts
+from draftsmith.data_gen.filters import filter_answers
+from draftsmith.data_gen.prompts import filter_counts_text, load_prompts
 from draftsmith.data_gen.topk import capture_topk
 from draftsmith.data_gen.regenerate import SamplingParams, make_backend, regenerate_all
 from draftsmith.data_gen.target import load_target, torch_dtype
@@ -215,8 +218,10 @@ def regeneration_settings(cfg, identity: dict) -> dict:
     settings = {"target_hash": identity["target_hash"], "tokenizer_hash": identity["tokenizer_hash"],
                 "dtype": cfg.target.dtype, "seed": cfg.seed, "temperature": cfg.temperature, "top_p": cfg.top_p,
                 "max_new_tokens": cfg.max_new_tokens, "regenerate_chunk": cfg.regenerate_chunk, "backend": b.kind}
-    if b.kind == "hf":  # batch composition changes the padding, hence the floating-point numerics
-        settings.update(batch_size=b.batch_size, prune_finished=b.prune_finished)
+    if b.kind == "hf":  # which prompts share a batched forward changes the floating-point numerics
+        # `generation` names the decode loop (data_gen/batching.py: refilled rows); chunks made by
+        # an earlier loop may differ by rounding, so they are regenerated rather than reused.
+        settings.update(batch_size=b.batch_size, prune_finished=b.prune_finished, generation="refill-1")
     else:
         settings.update(url=b.url, model=b.model)
     return settings
@@ -290,35 +295,42 @@ def generate_part(cfg, target, samples: list[dict], out: Path, settings: dict, c
         messages = regenerate_chunks(cfg, target, samples, out / REGEN, settings, chunk_ids)
         failed = sum(m is None for m in messages)
         mine = [{**s, "messages": m} for s, m in zip(mine, messages) if m]
+    mine, filtered = filter_answers(mine, cfg.filters) if cfg.filters.answers else (mine, {})  # data_gen/filters.py
     rows, counts = tokenize_samples(mine, target.tokenizer, target.eos_token_ids, cfg.max_length,
                                     cfg.on_overflow, cfg.reasoning)
     by_id = {r["order"]: r for r in rows}
     conversations = [{"id": s["id"], "category": s["category"], "messages": s["messages"], "order": s["order"]}
                      for s in mine if s["order"] in by_id]
     counts["failed"] += failed
+    counts.update(filtered)
     return conversations, rows, counts
 
 
-def load_prompts_cached(cfg, target, identity: dict, out: Path) -> list[dict]:
-    """The prompt set; self-written prompts are saved in regenerated/ and reused by a rerun with the
-    same target and prompts settings (file and dataset sources are read again: they may have changed)."""
+def _as_dict(node) -> dict:
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(vars(node))
+
+
+def load_prompts_cached(cfg, target, identity: dict, out: Path) -> tuple[list[dict], dict]:
+    """The prompt set and what the prompt filters dropped (data_gen/filters.py; {} unless self-written
+    and filters.prompts); self-written prompts are saved in regenerated/ and reused by a rerun with the
+    same target, prompts and filter settings (file and dataset sources are read again: they may have changed)."""
     if cfg.prompts.source != "self":
-        return load_prompts(cfg.prompts, target)
-    prompts_cfg = OmegaConf.to_container(cfg.prompts, resolve=True) if OmegaConf.is_config(cfg.prompts) \
-        else vars(cfg.prompts)
+        return load_prompts(cfg.prompts, target), {}
     key = _digest({"target": [identity["target_hash"], identity["tokenizer_hash"], cfg.target.dtype],
-                   "prompts": prompts_cfg})
+                   "prompts": _as_dict(cfg.prompts), **({"filters": _as_dict(cfg.filters)} if cfg.filters.prompts else {})})
     path = out / REGEN / "self_prompts.json"
     try:
         saved = json.loads(path.read_bytes())
         if saved["key"] == key and isinstance(saved["samples"], list) and saved["samples"]:
             print(f"prompts: reusing {len(saved['samples'])} self-written prompts from {path}.", file=sys.stderr)
-            return saved["samples"]
+            return saved["samples"], dict(saved.get("filtered") or {})
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    samples = load_prompts(cfg.prompts, target)
-    mf.atomic_write_bytes(path, json.dumps({"key": key, "samples": samples}, ensure_ascii=False).encode())
-    return samples
+    filtered: dict = {}
+    samples = load_prompts(cfg.prompts, target, cfg.filters, filtered)
+    mf.atomic_write_bytes(path, json.dumps({"key": key, "samples": samples, "filtered": filtered},
+                                           ensure_ascii=False).encode())
+    return samples, filtered
 
 
 def _drop_extra_chunks(out: Path, num_chunks: int) -> None:
@@ -360,7 +372,7 @@ def merge_parts(out: Path, world: int) -> dict:
         part = out / "parts" / f"rank{r:05d}"
         part_counts = mf_read_json(part / STATE)
         for k, v in part_counts.items():
-            counts[k] += v
+            counts[k] = counts.get(k, 0) + v  # (filtered_answers_* too)
         if part_counts["samples"] == 0:  # (datasets cannot load an empty set back)
             continue
         convs += datasets.load_from_disk(str(part / "conversations")).to_list()
@@ -415,12 +427,13 @@ def run(cfg) -> dict:
     lock = acquire_lock(out, rank)
     finalize = None  # the lock of the rank that writes the final index and manifest (ranks, hidden states)
     try:
-        samples = load_prompts_cached(cfg, target, identity, out)
+        samples, prompts_filtered = load_prompts_cached(cfg, target, identity, out)
         for i, s in enumerate(samples):
             s["order"] = i  # the prompt's index: rank parts are merged back in this order
         settings = regeneration_settings(cfg, identity)
         key = _digest({"prompts": _prompt_fingerprint(samples), "regenerate": settings if cfg.regenerate else None,
-                       "tokenize": [identity["tokenizer_hash"], cfg.max_length, cfg.on_overflow, cfg.reasoning]})
+                       "tokenize": [identity["tokenizer_hash"], cfg.max_length, cfg.on_overflow, cfg.reasoning],
+                       **({"filters": _as_dict(cfg.filters)} if cfg.filters.answers else {})})
         part_counts = None
         if world == 1:
             build_sets(cfg, target, samples, out, settings, key)
@@ -434,7 +447,7 @@ def run(cfg) -> dict:
                 wait_for_merged_set(out, key, rank, world)
         if world == 1 or not cfg.hidden_states:
             mf.atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
-        counts = mf_read_json(out / STATE)
+        counts = {**mf_read_json(out / STATE), **prompts_filtered}
         if counts["samples"] == 0:
             raise DraftsmithError(f"no sample survived data-gen (counts: {counts}); nothing usable in {out}.")
         hidden = capture(cfg, target, out, rank, world)
@@ -484,7 +497,18 @@ def summary(result: dict) -> str:
                 f"({result['seconds']} s); the last rank to finish merges.")
     return (f"data-gen: {c['samples']} samples, {c['tokens']} tokens ({c['loss_tokens']} with loss), "
             f"{c['truncated']} truncated, {c['dropped']} dropped, {c['failed']} failed"
-            f"{', hidden states stored' if result['hidden_states'] else ''} -> {result['out']} in {result['seconds']} s")
+            f"{', hidden states stored' if result['hidden_states'] else ''}{_filtered_text(c)} -> {result['out']} "
+            f"in {result['seconds']} s")
+
+
+def _filtered_text(counts: dict) -> str:
+    """`, filters dropped prompts 12 (repetition 5, language 7), answers 1 (length 1)`; '' without filters."""
+    parts = []
+    for what in ("prompts", "answers"):
+        got = {k: v for k, v in counts.items() if k.startswith(f"filtered_{what}_")}
+        if got:
+            parts.append(f"{what} {sum(got.values())} ({filter_counts_text(got)})")
+    return f", filters dropped {', '.join(parts)}" if parts else ""
 
 
 def _unfinish(out: Path) -> None:

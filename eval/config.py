@@ -39,9 +39,15 @@ class EvalPromptsConfig(PromptSetConfig):
             raise DraftsmithError(f"prompts.source={self.source} needs prompts.path=<file or folder>.")
 
 
+def _eval_target() -> TargetConfig:
+    # bf16, as serving engines run the target (and its verification costs less next to one step than in fp32);
+    # target.dtype=float32 keeps greedy speculative output token-identical to target-only decoding.
+    return TargetConfig(dtype="bfloat16")
+
+
 @dataclass
 class EvalConfig:
-    target: TargetConfig = field(default_factory=TargetConfig)
+    target: TargetConfig = field(default_factory=_eval_target)
     prompts: EvalPromptsConfig = field(default_factory=EvalPromptsConfig)
     # The drafter: an EAGLE-3 checkpoint / exported folder, an HF draft-model folder, `ngram`, or
     # `none` (target-only decoding only).
@@ -56,6 +62,9 @@ class EvalConfig:
     # n-gram proposer (the `ngram` head and baseline): longest suffix match up to this length.
     ngram_max: int = 3  # n-gram proposer: longest suffix matched (eval/proposers.py NgramProposer)
     ngram_min: int = 1  # n-gram proposer: shortest suffix matched
+    # n-gram + head: with a head folder, draft from a context match (ngram_max..ngram_min) when one exists and
+    # from the head otherwise (eval/proposers.py NgramFirstProposer); the report's method is `ngram+<method>`.
+    ngram_first: bool = False  # with a head folder: draft by n-gram match when the context has one, else by the head
     max_new_tokens: int = 128  # per decoded turn
     # Timing: every prompt is decoded `repeats` times by each method; its time is the median.
     repeats: int = 3  # timing: decodes of every prompt by each method (the median counts)
@@ -66,6 +75,14 @@ class EvalConfig:
     baselines: list[str] = field(default_factory=list)
     # KV-cache slots of the target runner; None = longest prompt + turns * max_new_tokens + draft room.
     max_len: Optional[int] = None
+    # The K sweep: the head is also decoded at each of these draft lengths (chain length / tree depth), and the
+    # report's cost table, recommendation and plot compare them; [] = drafting.num_speculative_tokens only.
+    sweep_k: list[int] = field(default_factory=list)  # extra K to decode the head with, e.g. [1,2,3,5,7]
+    cost_repeats: int = 5  # cost model: timed target passes per verify size (the median counts)
+    # Greedy output checks: a divergence from target-only decoding whose target top-2 logit margin is below this
+    # counts as a near-tie (bf16 numerics that depend on the pass's shape, not a decoder error).
+    near_tie_eps: float = 0.25  # logits: top-2 margin below which a greedy divergence is a near-tie
+    cuda_graph: bool = True  # on CUDA: replay each target pass of up to 65 tokens from a CUDA graph (no-op on CPU)
     progress: bool = True  # show a progress bar
     plot: bool = True  # write the acceptance / speedup plot
 
@@ -74,6 +91,12 @@ class EvalConfig:
             raise DraftsmithError("head is empty: pass head=<EAGLE-3 folder | draft-model folder | ngram | none>.")
         check_options(self)
         checks.at_least("max_len", self.max_len, 1, null="as long as needed")
+        for k in self.sweep_k:
+            checks.in_range("sweep_k", k, 1, 64)
+        checks.at_least("cost_repeats", self.cost_repeats, 1)
+        checks.at_least("near_tie_eps", self.near_tie_eps, 0)
+        if self.ngram_first and self.head in ("ngram", "none"):
+            raise DraftsmithError(f"ngram_first=true needs a head folder to fall back on, not head={self.head}.")
 
 
 def check_options(cfg) -> None:
@@ -99,5 +122,5 @@ def build_settings(cfg) -> tuple[SamplingConfig, DraftingConfig]:
     sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
     d = cfg.drafting
     drafting = DraftingConfig(mode=d.mode, num_speculative_tokens=d.num_speculative_tokens,
-                              tree_top_k=d.tree_top_k, tree_budget=d.tree_budget)
+                              tree_top_k=d.tree_top_k, tree_budget=d.tree_budget, stop_below=d.stop_below)
     return sampling, drafting

@@ -35,6 +35,9 @@ class DraftingConfig:
     num_speculative_tokens: int = 5  # chain length / tree depth
     tree_top_k: int = 4  # branching
     tree_budget: int = 32  # max draft tokens per step
+    # Dynamic draft length (chain mode): a chain ends with its first token whose drafter probability is below
+    # this; 0 = off, always num_speculative_tokens. Lossless: a sampled token keeps the q it was drawn from.
+    stop_below: float = 0.0  # chain drafting: stop at the first token the drafter gives a probability below this (0 = off)
 
     def __post_init__(self):
         if self.mode not in ("chain", "tree"):
@@ -46,6 +49,15 @@ class DraftingConfig:
                 raise DraftsmithError(f"drafting.tree_top_k={self.tree_top_k} must be in 1..64.")
             if not 1 <= self.tree_budget <= 512:
                 raise DraftsmithError(f"drafting.tree_budget={self.tree_budget} must be in 1..512.")
+        if not 0.0 <= self.stop_below < 1.0:
+            raise DraftsmithError(f"drafting.stop_below={self.stop_below} must be in [0, 1) (0 = fixed draft length).")
+        if self.stop_below > 0 and self.mode == "tree":
+            raise DraftsmithError(f"drafting.stop_below={self.stop_below} applies to chain drafting only; with "
+                                  f"drafting.mode=tree set it to 0.")
+
+    def stops_at(self, prob: float) -> bool:
+        """Dynamic draft length: does a chain end with a token its drafter gave probability `prob`?"""
+        return prob < self.stop_below
 
 
 @dataclass
@@ -85,6 +97,9 @@ class GenerationResult:
     prefill_s: float
     decode_s: float
     emitted_per_verification: list[int] = field(default_factory=list)  # of `tokens` (cut at EOS / the cap)
+    draft_s: float = 0.0  # of decode_s: seconds in the proposer (propose + update), the cost model's drafting time
+    draft_sizes: list[int] = field(default_factory=list)  # draft nodes sent to each verification (the root excluded)
+    prompt_ids: list[int] = field(default_factory=list)  # the prompt this result continues (eval's divergence check)
 
     @property
     def tau(self) -> float:
@@ -238,13 +253,16 @@ def speculative_generate(target_runner, proposer: Optional[Proposer], prompt_ids
         proposer.update([first], aux)
     t1 = time.perf_counter()
 
-    n_ver, per_ver = 0, []
+    n_ver, per_ver, sizes, draft_s = 0, [], [], 0.0
     while out[-1] not in eos and len(out) < max_new_tokens:
         room = min(max_new_tokens - len(out) - 1, runner.max_len - runner.length - 1)
+        td = time.perf_counter()
         draft = _propose(proposer, drafting, sampling, generator, room)
+        draft_s += time.perf_counter() - td
         emitted, path, aux = verify(runner, out[-1], draft, sampling, generator, want_aux)
         n_ver += 1
         per_ver.append(len(emitted))
+        sizes.append(len(draft.tokens))
         depths = node_depths(draft.parents)
         for d in set(depths):
             proposed[d - 1] += 1
@@ -254,7 +272,9 @@ def speculative_generate(target_runner, proposer: Optional[Proposer], prompt_ids
         if any(t in eos for t in emitted) or len(out) >= max_new_tokens:
             break
         if proposer is not None:
+            td = time.perf_counter()
             proposer.update(emitted, aux)
+            draft_s += time.perf_counter() - td
     t2 = time.perf_counter()
 
     out = _truncate(out, eos, max_new_tokens)
@@ -262,7 +282,8 @@ def speculative_generate(target_runner, proposer: Optional[Proposer], prompt_ids
         per_ver[-1] -= 1 + sum(per_ver) - len(out)
     return GenerationResult(tokens=out, n_verifications=n_ver, accepted_per_position=accepted,
                             proposed_per_position=proposed, prefill_s=t1 - t0, decode_s=t2 - t1,
-                            emitted_per_verification=per_ver)
+                            emitted_per_verification=per_ver, draft_s=draft_s, draft_sizes=sizes,
+                            prompt_ids=prompt.tolist())
 
 
 def _propose(proposer: Optional[Proposer], drafting: DraftingConfig, sampling: SamplingConfig, generator,

@@ -23,7 +23,11 @@ CONVENTIONS = (
     "Speedup = speculative tokens/s / target-only tokens/s (> 1 is faster), with the same target, the same "
     "prompts and the same decoder code (target-only = the decoder with no proposer). "
     "Tokens/s = new tokens / wall seconds of prefill + decode. "
-    "Warm-up prompts are excluded; each prompt's time is the median of the repeated runs."
+    "Warm-up prompts are excluded; each prompt's time is the median of the repeated runs. "
+    "Cost model: predicted speedup(K) = tau(K) * t_step / (t_verify(K+1) + t_draft(K)), tau(K) = 1 + the sum of "
+    "the first K per-position acceptances, t_step and t_verify timed target passes, t_draft the drafter's "
+    "seconds per verification in the decode. Greedy divergences from target-only decoding are reported with "
+    "the target's top-2 logit margin at the first differing token; below near_tie_eps it is a near-tie."
 )
 
 
@@ -74,6 +78,10 @@ class Sample:
     # tokens each verification emitted, bonus included (tau counts them); None = one each (target-only)
     emitted_per_verification: Optional[list[int]] = None
     identical: Optional[bool] = None  # greedy: same tokens as target-only decoding
+    # greedy, not identical: where the two first differ and the target's top-2 logit margin there (run.divergence)
+    divergence: Optional[dict] = None
+    draft_seconds: float = 0.0  # median over repeats of the seconds spent in the proposer (the cost model's t_draft)
+    draft_sizes: list[int] = field(default_factory=list)  # draft nodes per verification (first run)
 
     @property
     def emitted_tokens(self) -> int:
@@ -86,6 +94,16 @@ class Sample:
         if self.emitted_per_verification is None:
             return Counter({1: self.verifications} if self.verifications else {})
         return Counter(self.emitted_per_verification)
+
+
+def identical_up_to_near_ties(samples: Sequence[Sample], eps: float) -> Optional[float]:
+    """Greedy: the fraction of samples identical to target-only decoding or whose first divergence is at a
+    near-tie (the target's top-2 logits closer than eps there); None when no sample was compared."""
+    checked = [s for s in samples if s.identical is not None]
+    if not checked:
+        return None
+    ok = [s.identical or (s.divergence is not None and s.divergence["margin"] < eps) for s in checked]
+    return sum(ok) / len(ok)
 
 
 def histogram(samples: Sequence[Sample]) -> dict[str, int]:

@@ -13,7 +13,9 @@ slots in use is ever read.
 
 Greedy drafts take each depth's argmax; sampled drafts draw each depth from its own q (returned, so the
 decoder's rejection rule stays exact: depth d's q does not depend on the tokens drafted before it). Tree
-mode drafts the same chain.
+mode drafts the same chain. With `drafting.stop_below` the chain is cut after its first token whose drafter
+probability (greedy: softmax at the argmax; sampling: q(x)) is below the threshold; the drafter forward is
+already paid, so only verification width is saved; the kept rows' q are unchanged (lossless).
 """
 
 from __future__ import annotations
@@ -63,11 +65,15 @@ class PEagleProposer:
         if sampling.greedy:
             own = logits.argmax(-1)
             q = None
+            prob = logits.float().softmax(-1).gather(1, own[:, None])[:, 0]  # (k,) each argmax's probability
         else:
             probs = torch.stack([process_logits(row, sampling) for row in logits])  # (k, Vd)
             own = torch.multinomial(probs.float(), 1, generator=generator)[:, 0]
             q = torch.zeros(k, self.V, dtype=probs.dtype, device=probs.device).index_copy_(1, self.draft_ids, probs)
-        return Draft(self.head.draft_to_target(own).tolist(), list(range(-1, k - 1)), q)
+            prob = probs.gather(1, own[:, None])[:, 0]  # (k,) q(x) of each drawn token
+        n = next((d + 1 for d, pr in enumerate(prob.tolist()) if drafting.stops_at(pr)), k)  # dynamic length
+        return Draft(self.head.draft_to_target(own[:n]).tolist(), list(range(-1, n - 1)),
+                     q[:n] if q is not None else None)
 
     def _forward(self, k: int) -> torch.Tensor:
         """Run the pending entries and k-1 mask slots in one forward; the k rows of draft logits."""

@@ -15,6 +15,12 @@ ranked by cumulative draft log-prob, until `tree_budget` nodes. Tree drafts are 
 their q is one-hot (None); sampled chains carry the exact q they were drawn from. A model proposer's
 own KV cache holds `max_len` slots (prompt + answer + one tree), and each step attends only to the
 slots in use.
+
+Dynamic draft length (`drafting.stop_below`, chain mode): the chain ends with its first token whose drafter
+probability is below the threshold (greedy: the softmax of the drafter's logits at its argmax; sampling: q(x)
+of the drawn x), so no drafter step is spent on the tokens after it. Only the length depends on the draft,
+never q, so the accept rule stays exact. `NgramFirstProposer` (n-gram + head) drafts from a context match when
+there is one and from the head otherwise.
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ class _ModelProposer:
                 probs = process_logits(logits[0], sampling)  # (Vo,)
                 own = torch.multinomial(probs.float(), 1, generator=generator)  # (1,) own-vocab id
                 par, score, qs = [frontier[0]], fscore, qs + [self._q_target(probs)]
+                prob = float(probs[own[0]])  # q(x) of the drawn token
             else:
                 lp = logits.double().log_softmax(-1)  # (m, Vo)
                 top = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)  # (m, k') each frontier node's best children
@@ -88,11 +95,14 @@ class _ModelProposer:
                 own = top.indices.flatten()[best]  # (n,) their own-vocab ids
                 par = [frontier[i] for i in (best // top.values.shape[1]).tolist()]  # flat index // k' = its row
                 score = cand[best]  # (n,)
+                prob = float(top.values.flatten()[best[0]].exp())  # a chain's one child: its softmax probability
             new = list(range(len(tokens), len(tokens) + len(par)))  # this depth's node indices
             tokens += self._to_target(own).tolist()
             parents += par
             self._anc += [(self._anc[p] if p >= 0 else []) + [i] for i, p in zip(new, par)]
             if len(tokens) >= budget or depth == drafting.num_speculative_tokens:
+                break
+            if chain and drafting.stops_at(prob):  # dynamic draft length: no drafter step past an unsure token
                 break
             logits = self._expand(new, tokens, parents, depth)  # (n, Vo): the drafter run on the new nodes
             frontier, fscore = new, score
@@ -228,3 +238,31 @@ class DraftModelProposer(_ModelProposer):
 
     def _q_target(self, probs):
         return probs
+
+
+class NgramFirstProposer:
+    """n-gram + head: a chain copied from the context (NgramProposer's suffix match) when the context has a
+    match, the head's draft otherwise. Both see every emitted token (the head's cache must follow the sequence
+    even in cycles it does not draft), so the head's `update` cost is paid every cycle. Lossless: which of the
+    two drafts depends only on the committed sequence, and each draft carries its own q (n-gram: one-hot)."""
+
+    def __init__(self, ngram: NgramProposer, head):
+        self.ngram, self.head = ngram, head
+        self.needs_aux = head.needs_aux
+        self.drafted_by = {"ngram": 0, "head": 0}  # cycles drafted by each (for reports and benchmarks)
+
+    def reset(self, prompt_ids):
+        self.ngram.reset(prompt_ids)
+        self.head.reset(prompt_ids)
+
+    def update(self, tokens, aux):
+        self.ngram.update(tokens, aux)
+        self.head.update(tokens, aux)
+
+    def propose(self, drafting: DraftingConfig, sampling: SamplingConfig, generator=None) -> Draft:
+        draft = self.ngram.propose(drafting, sampling, generator)
+        if draft.tokens:
+            self.drafted_by["ngram"] += 1
+            return draft
+        self.drafted_by["head"] += 1
+        return self.head.propose(drafting, sampling, generator)

@@ -87,8 +87,69 @@ def markdown(report: dict) -> str:
                   "| tokens emitted | " + " | ".join(hist) + " |",
                   "|---|" + "---:|" * len(hist),
                   "| verifications | " + " | ".join(str(c) for c in hist.values()) + " |"]
+    lines += cost_lines(report) + greedy_lines(report)
     lines += ["", "## Conventions", "", report["conventions"], ""]
     return "\n".join(lines)
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x * 1000:.1f}"
+
+
+def cost_lines(report: dict) -> list[str]:
+    """The cost model (measured step / verify / draft times, predicted beside measured speedup) and what to set."""
+    cm = report.get("cost_model")
+    if not cm:
+        return []
+    t = cm["target"]
+    lines = ["", "## Cost model", "", f"`{cm['formula']}`; t_step and t_verify timed over a {t['context']}-token "
+             f"cache (median of {t['repeats']}), t_draft = the drafter's seconds per verification in the decode, "
+             f"tau predicted from the per-position acceptance of the K={cm['acceptance_from_k']} run.", "",
+             f"t_step = {_ms(t['step_s'])} ms; t_verify(n) / t_step: "
+             + ", ".join(f"n={n}: {v / t['step_s']:.2f}" for n, v in t["verify_s"].items() if t["step_s"])
+             + (("; tree n=" + ", ".join(f"{n}: {v / t['step_s']:.2f}" for n, v in t["tree_verify_s"].items()))
+                if t.get("tree_verify_s") else ""), "",
+             "| K | verify tokens | t_verify ms | t_draft ms | break-even tau | predicted tau | measured tau "
+             "| predicted speedup | measured speedup |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in cm["table"]:
+        mt = "-" if r["measured_tau"] is None else _f(r["measured_tau"])
+        ms = "-" if r["measured_speedup"] is None else f"{_f(r['measured_speedup'])}x"
+        lines.append(f"| {r['k']} | {r['verify_tokens']} | {_ms(r['t_verify_s'])} | {_ms(r['t_draft_s'])} | "
+                     f"{_f(r['break_even_tau'])} | {_f(r['predicted_tau'])} | {mt} | {_f(r['predicted_speedup'])}x | {ms} |")
+    rec = report.get("recommendation")
+    if rec:
+        verdict = ("faster than target-only decoding" if rec["faster_than_target_only"] else
+                   "still slower than target-only decoding on this hardware: do not turn speculative decoding on "
+                   "with this head here; these are the least slow settings")
+        lines += ["", "## Recommendation", "",
+                  f"Best measured: {rec['mode']} K = {rec['k']}, {_f(rec['measured_speedup'])}x "
+                  f"(predicted {_f(rec['predicted_speedup'])}x), {verdict}.", ""]
+        for engine in ("vllm", "sglang"):
+            e = rec.get(engine) or {}
+            lines += [f"{'vLLM' if engine == 'vllm' else 'SGLang'}:", ""]
+            lines += ["```bash", e["command"], "```", ""] if e.get("command") else [e.get("note", "-"), ""]
+    return lines
+
+
+def greedy_lines(report: dict) -> list[str]:
+    """Greedy divergences from target-only decoding, each with the target's top-2 margin where it happened."""
+    if report.get("greedy_identical_fraction") is None:
+        return []
+    eps = report.get("near_tie_eps")
+    near = report.get("greedy_identical_up_to_near_ties_fraction")
+    lines = ["", "## Greedy output vs target-only", "",
+             f"- target dtype {report.get('target_dtype')}: identical {_f(report['greedy_identical_fraction'])}"
+             + (f", identical up to near-ties (top-2 margin below {eps} logits) {_f(near)}" if near is not None else "")]
+    divs = report.get("divergences") or []
+    if divs:
+        lines += ["- a divergence at a near-tie is bf16 numerics that depend on the pass's shape (one token vs K+1),"
+                  " not a decoder error; fp32 is token-exact", "",
+                  "| prompt | turn | position | target token | speculative token | top-2 margin | near-tie |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
+        for d in divs:
+            lines.append(f"| {d['prompt']} | {d['turn']} | {d['position']} | {d.get('target_token')} | "
+                         f"{d.get('other_token')} | {d['margin']:.3f} | {'yes' if d['margin'] < eps else '**no**'} |")
+    return lines
 
 
 def summary_lines(report: dict) -> str:
@@ -102,6 +163,16 @@ def summary_lines(report: dict) -> str:
     for name, b in report.get("baselines", {}).items():
         tau = f"tau {b['tau']:.2f}, " if b.get("tau") is not None else ""
         lines.append(f"  baseline {name}: {tau}{b['tokens_per_s']:.1f} tokens/s, speedup {b['speedup']:.2f}x")
+    rec = report.get("recommendation")
+    if rec:
+        lines.append(f"  best K={rec['k']} ({rec['mode']}): {rec['measured_speedup']:.2f}x measured, "
+                     f"{rec['predicted_speedup']:.2f}x predicted")
+        for engine in ("vllm", "sglang"):
+            if (rec.get(engine) or {}).get("command"):
+                lines.append(f"  {engine}: {rec[engine]['command']}")
+    if report.get("greedy_identical_up_to_near_ties_fraction") is not None:
+        lines.append(f"  greedy identical {report['greedy_identical_fraction']:.2f}, up to near-ties (margin < "
+                     f"{report['near_tie_eps']}) {report['greedy_identical_up_to_near_ties_fraction']:.2f}")
     if report.get("files"):
         lines.append(f"  report: {report['files']['md']}")
     return "\n".join(lines)
@@ -114,7 +185,9 @@ def plot_png(report: dict) -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
+    table = (report.get("cost_model") or {}).get("table") or []
+    fig, axes = plt.subplots(1, 3 if table else 2, figsize=(16 if table else 11, 4))
+    ax0, ax1 = axes[0], axes[1]
     acc = report["per_position_acceptance"]
     ax0.bar(range(1, len(acc) + 1), acc, color="tab:blue")
     ax0.set_xticks(range(1, len(acc) + 1))
@@ -131,6 +204,18 @@ def plot_png(report: dict) -> bytes:
     ax1.tick_params(axis="x", rotation=45)
     for label in ax1.get_xticklabels():
         label.set_horizontalalignment("right")
+    if table:
+        ax2 = axes[2]
+        ks = [r["k"] for r in table]
+        ax2.plot(ks, [r["predicted_speedup"] for r in table], "o--", color="tab:gray", label="predicted (cost model)")
+        meas = [(r["k"], r["measured_speedup"]) for r in table if r["measured_speedup"] is not None]
+        ax2.plot([k for k, _ in meas], [v for _, v in meas], "s-", color="tab:green", label="measured")
+        ax2.axhline(1.0, color="gray", lw=0.8, ls=":")
+        ax2.set_xticks(ks)
+        ax2.set_xlabel("K (draft tokens per verification)")
+        ax2.set_ylabel("speedup vs target-only")
+        ax2.set_title("speedup against K")
+        ax2.legend()
     fig.suptitle(f"{report['method']} on {report['target']['target_id']}, "
                  f"T={report['temperature']}, {report['drafting']['mode']} K={report['drafting']['num_speculative_tokens']}")
     fig.tight_layout()

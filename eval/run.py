@@ -17,6 +17,7 @@ are eval's own. The CLI prints `summary(report)`.
 from __future__ import annotations
 
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -100,13 +101,25 @@ def load_drafter(cfg, target: Target, max_len: int) -> Drafter:
             "draft_vocab_size": config.get("draft_vocab_size") or config.get("vocab_size"),
             # publish matches the head it publishes by this
             "sha256": weights_sha256(folder) if (folder / "model.safetensors").is_file() else None}
-    return Drafter(entry.name, lambda: entry.proposer(model, target.vocab_size, max_len), info, model)
+    return with_ngram_first(cfg, Drafter(entry.name, lambda: entry.proposer(model, target.vocab_size, max_len),
+                                         info, model))
 
 
 def ngram_proposer(cfg) -> Proposer:
     from draftsmith.eval.proposers import NgramProposer
 
     return NgramProposer(cfg.ngram_max, cfg.ngram_min)
+
+
+def with_ngram_first(cfg, drafter: Drafter) -> Drafter:
+    """ngram_first=true: the head drafts only when the context has no n-gram match (method `ngram+<method>`)."""
+    from draftsmith.eval.proposers import NgramFirstProposer
+
+    if not getattr(cfg, "ngram_first", False):
+        return drafter
+    info = drafter.info | {"ngram_first": True, "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max}
+    return Drafter(f"ngram+{drafter.method}", lambda: NgramFirstProposer(ngram_proposer(cfg), drafter.make()),
+                   info, drafter.model)
 
 
 # --------------------------------------------------------------------------- decoding
@@ -133,7 +146,8 @@ def to_sample(category: str, runs: list[GenerationResult]) -> metrics.Sample:
         category=category, new_tokens=len(r.tokens), verifications=r.n_verifications,
         seconds=metrics.median([x.prefill_s + x.decode_s for x in runs]),
         accepted=list(r.accepted_per_position), proposed=list(r.proposed_per_position),
-        emitted_per_verification=list(r.emitted_per_verification))
+        emitted_per_verification=list(r.emitted_per_verification),
+        draft_seconds=metrics.median([x.draft_s for x in runs]), draft_sizes=list(r.draft_sizes))
 
 
 def hf_generate_sample(model, tokenizer, prompt: EvalPrompt, cfg, eos: list[int],
@@ -163,7 +177,7 @@ def runner_max_len(cfg, tokenizer, prompts: list[EvalPrompt], drafting: Drafting
         return int(cfg.max_len)
     longest = max(len(render(tokenizer, p, [""] * (len(p.turns) - 1))) + len(p.turns) * cfg.max_new_tokens
                   for p in prompts)
-    room = drafting.tree_budget if drafting.mode == "tree" else drafting.num_speculative_tokens
+    room = drafting.tree_budget if drafting.mode == "tree" else max([drafting.num_speculative_tokens, *cfg.sweep_k])
     return longest + room + 64
 
 
@@ -180,10 +194,12 @@ class Setup:
     prompts: list[EvalPrompt]
     target: Target
     runner: TargetRunner  # the target with its static KV cache, shared by every method
+    sweep: dict[str, DraftingConfig] = field(default_factory=dict)  # K-sweep rows: name -> their drafting
 
-    def decode(self, proposer: Optional[Proposer], prompt: EvalPrompt) -> list[GenerationResult]:
+    def decode(self, proposer: Optional[Proposer], prompt: EvalPrompt, method: str = "") -> list[GenerationResult]:
+        drafting = self.sweep.get(method, self.drafting)
         return decode_conversation(self.runner, proposer, self.target.tokenizer, prompt, self.cfg.max_new_tokens,
-                                   self.sampling, self.drafting, self.target.eos_token_ids, self.cfg.seed)
+                                   self.sampling, drafting, self.target.eos_token_ids, self.cfg.seed)
 
 
 def run(cfg) -> dict:
@@ -191,10 +207,12 @@ def run(cfg) -> dict:
     setup = prepare(cfg)
     drafter = load_drafter(cfg, setup.target, setup.runner.max_len)
     proposers = method_proposers(cfg, drafter)
+    add_sweep(setup, drafter, proposers)
     t0 = time.perf_counter()
     warm_up(setup, proposers)
     samples, hf_samples = decode_all(setup, proposers, drafter)
     report = build_report(setup, drafter, samples, hf_samples)
+    report.update(cost_report(setup, drafter, samples, report))
     report["wall_s"] = round(time.perf_counter() - t0, 2)
     write_outputs(setup, drafter, report)
     return report
@@ -215,7 +233,7 @@ def prepare(cfg) -> Setup:
     prompts = load_prompts(cfg.prompts)
     target = load_target(cfg.target)
     max_len = runner_max_len(cfg, target.tokenizer, prompts, drafting)
-    runner = TargetRunner(target.model, max_len, target.aux_layer_ids)
+    runner = TargetRunner(target.model, max_len, target.aux_layer_ids, cuda_graph=getattr(cfg, "cuda_graph", False))
     return Setup(cfg, sampling, drafting, out, prompts, target, runner)
 
 
@@ -234,11 +252,27 @@ def method_proposers(cfg, drafter: Drafter) -> dict[str, Optional[Proposer]]:
     return proposers
 
 
+def sweep_name(method: str, k: int) -> str:
+    return f"{method}@K={k}"
+
+
+def add_sweep(setup: Setup, drafter: Drafter, proposers: dict[str, Optional[Proposer]]) -> None:
+    """sweep_k: the head's proposer once more per extra K (the same instance: it is reset for every decode)."""
+    if drafter.make is None:
+        return
+    d = setup.drafting
+    for k in dict.fromkeys(getattr(setup.cfg, "sweep_k", [])):
+        if k != d.num_speculative_tokens:
+            name = sweep_name(drafter.method, k)
+            setup.sweep[name] = dataclasses.replace(d, num_speculative_tokens=k)
+            proposers[name] = proposers[drafter.method]
+
+
 def warm_up(setup: Setup, proposers: dict[str, Optional[Proposer]]) -> None:
     """Every code path once, nothing recorded: the first turn of the first `warmup_prompts` prompts."""
     for prompt in setup.prompts[: setup.cfg.warmup_prompts]:
-        for proposer in proposers.values():
-            setup.decode(proposer, EvalPrompt(prompt.id, prompt.category, prompt.turns[:1], prompt.system))
+        for m, proposer in proposers.items():
+            setup.decode(proposer, EvalPrompt(prompt.id, prompt.category, prompt.turns[:1], prompt.system), m)
 
 
 def decode_all(setup: Setup, proposers: dict[str, Optional[Proposer]], drafter: Drafter
@@ -253,18 +287,101 @@ def decode_all(setup: Setup, proposers: dict[str, Optional[Proposer]], drafter: 
         runs = {m: [] for m in proposers}
         for _ in range(cfg.repeats):  # methods interleaved, so drift in machine speed hits all alike
             for m, proposer in proposers.items():
-                runs[m].append(setup.decode(proposer, prompt))
+                runs[m].append(setup.decode(proposer, prompt, m))
         for m in proposers:
             for turn in range(len(prompt.turns)):
                 s = to_sample(prompt.category, [rep[turn] for rep in runs[m]])
                 if setup.sampling.greedy and m != TARGET_ONLY:
                     s.identical = runs[m][0][turn].tokens == runs[TARGET_ONLY][0][turn].tokens
+                    if not s.identical:
+                        s.divergence = {"prompt": prompt.id, "turn": turn,
+                                        **divergence(setup.runner, runs[TARGET_ONLY][0][turn], runs[m][0][turn])}
                 samples[m].append(s)
         if "hf_generate" in hf_samples:
             hf_samples["hf_generate"] += hf_generate_sample(model, tok, prompt, cfg, eos)
         if "hf_assisted" in hf_samples:
             hf_samples["hf_assisted"] += hf_generate_sample(model, tok, prompt, cfg, eos, drafter.model)
     return samples, hf_samples
+
+
+def divergence(runner: TargetRunner, reference: GenerationResult, other: GenerationResult) -> dict:
+    """Where `other` first leaves `reference` (target-only greedy), and the target's top-2 margin there.
+
+    The target is run once more over the prompt and the common prefix; in fp32 a divergence is a decoder
+    error, in bf16 it is usually a near-tie whose winner depends on the pass's shape (1 token or K+1)."""
+    a, b = reference.tokens, other.tokens
+    i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    ids = torch.tensor(reference.prompt_ids + a[:i], device=runner.device)
+    if ids.numel() > runner.max_len:  # cannot happen with eval's own max_len; say so rather than crash
+        return {"position": i, "margin": float("inf"), "note": "longer than the cache"}
+    runner.reset()
+    logits, _ = runner.forward(ids, torch.arange(ids.numel(), device=runner.device), 0, logits_rows="last")
+    runner.reset()
+    row = logits[0].float()
+    top = torch.topk(row, 2)
+    out = {"position": i, "target_token": a[i] if i < len(a) else None, "other_token": b[i] if i < len(b) else None,
+           "margin": float(top.values[0] - top.values[1]), "top2": top.indices.tolist()}
+    if out["other_token"] is not None:
+        out["other_rank"] = int((row > row[out["other_token"]]).sum())  # 0 = the target's argmax here
+    return out
+
+
+def cost_report(setup: Setup, drafter: Drafter, samples: dict[str, list[metrics.Sample]], report: dict) -> dict:
+    """The report's cost model, K sweep, recommendation and near-tie figures (eval/cost.py)."""
+    from draftsmith.eval import cost
+
+    cfg, d = setup.cfg, setup.drafting
+    out: dict = {"near_tie_eps": cfg.near_tie_eps}
+    main = drafter.method if drafter.make is not None else TARGET_ONLY
+    if setup.sampling.greedy and main != TARGET_ONLY:
+        out["greedy_identical_up_to_near_ties_fraction"] = metrics.identical_up_to_near_ties(samples[main],
+                                                                                            cfg.near_tie_eps)
+        out["divergences"] = [s.divergence for s in samples[main] if s.divergence is not None]
+    if main == TARGET_ONLY:
+        return out
+    base = samples[TARGET_ONLY]
+    runs = {d.num_speculative_tokens: samples[main]}
+    runs.update({k.num_speculative_tokens: samples[name] for name, k in setup.sweep.items()})
+    rows = []
+    for k, ss in sorted(runs.items()):
+        cmp = metrics.compare(ss, base)
+        n_ver = sum(s.verifications for s in ss)
+        rows.append({"k": k, "tau": cmp["tau"], "speedup": cmp["speedup"],
+                     "tokens_per_s": cmp["speculative_tokens_per_s"],
+                     "per_position_acceptance": cmp["per_position_acceptance"],
+                     "draft_s_per_verification": sum(s.draft_seconds for s in ss) / max(n_ver, 1),
+                     "mean_draft_size": sum(sum(s.draft_sizes) for s in ss) / max(n_ver, 1)})
+    longest = max(rows, key=lambda r: r["k"])
+    acceptance = longest["per_position_acceptance"]
+    tree = d.mode == "tree"
+    sizes = list(range(1, max(runs) + 2))
+    tree_sizes = sorted({int(round(r["mean_draft_size"])) + 1 for r in rows}) if tree else []
+    # the typical cache length of a decode step: a prompt and half an answer
+    context = int(metrics.median([len(render(setup.target.tokenizer, p, [])) for p in setup.prompts])
+                  + metrics.median([s.new_tokens for s in base]) / 2)
+    measured = cost.measure_target(setup.runner, context, sizes, cfg.cost_repeats, tree_sizes)
+    table = cost.cost_table(measured, acceptance, rows, mode=d.mode, max_k=max(runs))
+    best = cost.best_measured(table)
+    out["cost_model"] = {"target": measured, "acceptance_per_position": acceptance, "acceptance_from_k": longest["k"],
+                         "table": table, "formula": "speedup(K) = tau(K) * t_step / (t_verify(K+1) + t_draft(K))"}
+    out["k_sweep"] = rows
+    if best is not None:
+        target_model = _hub_id(setup.target.target_id)
+        settings = cost.serving_settings(drafter.method, target_model, drafter.info.get("path"), best["k"], d.mode,
+                                         d.tree_top_k, d.tree_budget if tree else None, cfg.ngram_min, cfg.ngram_max)
+        out["recommendation"] = {"k": best["k"], "mode": d.mode, "measured_speedup": best["measured_speedup"],
+                                 "predicted_speedup": best["predicted_speedup"],
+                                 "faster_than_target_only": best["measured_speedup"] > 1.0, **settings}
+    return out
+
+
+def _hub_id(target_id: str) -> str:
+    """The target's Hub id for serving commands (publish's table of known targets), else its own id."""
+    try:
+        from draftsmith.heads.publish import KNOWN_TARGETS
+    except ImportError:
+        return target_id
+    return (KNOWN_TARGETS.get(target_id) or (None, None))[0] or target_id
 
 
 def write_outputs(setup: Setup, drafter: Drafter, report: dict) -> None:
@@ -283,7 +400,7 @@ def baseline_rows(samples: dict[str, list[metrics.Sample]], hf_samples: dict[str
     """The report's `baselines`: every other method of our decoder, then transformers' generate."""
     rows = {}
     for m, ss in samples.items():
-        if m not in (main, TARGET_ONLY):
+        if m not in (main, TARGET_ONLY) and "@K=" not in m:
             agg = metrics.aggregate(ss)
             rows[m] = {"tau": agg["tau"], "tokens_per_s": agg["tokens_per_s"],
                        "speedup": metrics.speedup(agg["tokens_per_s"], base_tps),
@@ -314,6 +431,7 @@ def build_report(setup: Setup, drafter: Drafter, samples: dict[str, list[metrics
         "top_p": sampling.top_p,
         "drafting": {"mode": drafting.mode, "num_speculative_tokens": drafting.num_speculative_tokens,
                      "tree_top_k": drafting.tree_top_k, "tree_budget": drafting.tree_budget},
+        "sweep_k": sorted({drafting.num_speculative_tokens, *getattr(cfg, "sweep_k", [])}),
         "prompts": {"source": cfg.prompts.source, "path": cfg.prompts.path, "n": cfg.prompts.n,
                     "per_category": cfg.prompts.per_category, "multi_turn": cfg.prompts.multi_turn,
                     "seed": cfg.prompts.seed, "ids": [p.id for p in setup.prompts]},
@@ -332,6 +450,8 @@ def build_report(setup: Setup, drafter: Drafter, samples: dict[str, list[metrics
         "speculative_tokens_per_s": overall["speculative_tokens_per_s"],
         "speedup": overall["speedup"],
         "greedy_identical_fraction": (sum(identical) / len(identical)) if identical else None,
+        "target_dtype": str(setup.target.model.dtype).replace("torch.", ""),
+        "cuda_graph": setup.runner.cuda_graph,
         "per_category": metrics.by_category(samples[main], base),
         "baselines": baseline_rows(samples, hf_samples, main, overall["target_only_tokens_per_s"]),
         "software": software_versions(),

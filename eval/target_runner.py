@@ -10,6 +10,13 @@ rejected chain slots are never copied or cleared: later steps overwrite them.
 
 `length` (slots [0, length) hold the committed sequence) is the runner's own: its user writes
 tokens with `forward`, then says how many are now committed with `commit(length)`.
+
+Static mode (`cuda_graph=True` on a CUDA device): a pass of up to GRAPH_MAX_TOKENS tokens is replayed
+from a CUDA graph captured once per (tokens, aux) shape, so per-kernel launch overhead (which on a GPU
+dwarfs a small model's math and would distort every speedup) is paid once. Inside a graph nothing may
+depend on Python ints, so the pass writes K/V with `index_copy_` at slots held in a device tensor and
+attends over all `max_len` slots through a (T, max_len) mask buffer; the same path runs eagerly on the
+CPU (`static=True`) so tests can check it there.
 """
 
 from __future__ import annotations
@@ -20,15 +27,23 @@ import torch
 from torch import nn
 
 
+GRAPH_MAX_TOKENS = 65  # static mode: passes up to this many tokens (a draft of 64 and its root) use graphs
+
+
 class _LayerKV:
     """What an HF attention layer calls `cache.update(k, v, layer_idx, ...)` on; writes at `start`."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
         self.k, self.v = k, v  # (L, B, n_kv, S, d)
         self.start, self.end = 0, 0
+        self.slots: Optional[torch.Tensor] = None  # static mode: (T,) slots on the device; attend to all S
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # key_states (B, n_kv, T, d) -> slots [start, end)
+        if self.slots is not None:
+            self.k[layer_idx].index_copy_(2, self.slots, key_states)
+            self.v[layer_idx].index_copy_(2, self.slots, value_states)
+            return self.k[layer_idx], self.v[layer_idx]
         self.k[layer_idx, :, :, self.start:self.end] = key_states
         self.v[layer_idx, :, :, self.start:self.end] = value_states
         return self.k[layer_idx, :, :, :self.end], self.v[layer_idx, :, :, :self.end]
@@ -40,7 +55,8 @@ class TargetRunner:
     Reusable across prompts: `reset()` only forgets the length, nothing is reallocated.
     """
 
-    def __init__(self, model: nn.Module, max_len: int, aux_layer_ids: Optional[list[int]] = None):
+    def __init__(self, model: nn.Module, max_len: int, aux_layer_ids: Optional[list[int]] = None,
+                 cuda_graph: bool = False, static: Optional[bool] = None):
         self.model = model.eval()
         self.base = model.model  # the decoder stack (LlamaModel, Qwen2Model, ...)
         cfg = model.config
@@ -56,6 +72,10 @@ class TargetRunner:
         self.kv = _LayerKV(torch.zeros(shape, dtype=p.dtype, device=p.device),
                            torch.zeros(shape, dtype=p.dtype, device=p.device))
         self._length = 0
+        # cuda_graph only means something on CUDA; `static` alone runs the graph's eager path (tests, CPU)
+        self.cuda_graph = bool(cuda_graph) and self.device.type == "cuda"
+        self.static = self.cuda_graph if static is None else bool(static)
+        self._graphs: dict = {}  # (T, want_aux) -> (graph, static inputs, static outputs)
 
     @property
     def length(self) -> int:
@@ -85,8 +105,13 @@ class TargetRunner:
         end = start + T
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: {end} slots > max_len {self.max_len}")
+        if self.static and T <= GRAPH_MAX_TOKENS:
+            return self._static_forward(tokens, positions, start, attn_mask, logits_rows, want_aux)
         self.kv.start, self.kv.end = start, end
-        mask = self._mask(positions, start, end, attn_mask)
+        return self._run(tokens, positions, self._mask(positions, start, end, attn_mask), logits_rows, want_aux)
+
+    def _run(self, tokens, positions, mask, logits_rows, want_aux):
+        """The decoder stack over `tokens` with `mask`; K/V go where `self.kv` says."""
         h = self.base.embed_tokens(tokens[None])  # (1, T, H)
         pos_emb = self.base.rotary_emb(h, position_ids=positions[None])
         aux_ids = self.aux_layer_ids if want_aux else ()
@@ -103,6 +128,67 @@ class TargetRunner:
             return None, aux
         rows = h[0, -1:] if logits_rows == "last" else h[0]
         return self.model.lm_head(rows), aux
+
+    # ---- static mode: fixed shapes, every index a device tensor ------------------------------------
+
+    def _static_forward(self, tokens, positions, start, attn_mask, logits_rows, want_aux):
+        """The same pass with K/V written at device-held slots and a (T, max_len) mask (stale slots masked)."""
+        T = tokens.numel()
+        full = torch.zeros(T, self.max_len, dtype=torch.bool, device=self.device)
+        if attn_mask is not None:
+            full[:, : start + T] = attn_mask
+        else:  # chain: slot == position
+            full[:, : start + T] = torch.arange(start + T, device=self.device)[None, :] <= positions[:, None]
+        slots = torch.arange(start, start + T, device=self.device)
+        if not self.cuda_graph:
+            self.kv.slots = slots
+            try:
+                logits, aux = self._run(tokens, positions, full[None, None], "all", want_aux)
+            finally:
+                self.kv.slots = None
+        else:
+            logits, aux = self._replay(tokens, positions, slots, full, want_aux)
+        if logits_rows == "none":
+            return None, aux
+        return (logits[-1:] if logits_rows == "last" else logits), aux
+
+    def _replay(self, tokens, positions, slots, mask, want_aux):
+        """Copy the inputs into the (T, want_aux) graph's buffers and replay it; capture it on first use."""
+        key = (tokens.numel(), bool(want_aux))
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(*key)
+        graph, inputs, outputs = self._graphs[key]
+        for buf, x in zip(inputs, (tokens, positions, slots, mask)):
+            buf.copy_(x)
+        graph.replay()
+        logits, aux = outputs
+        return logits.clone(), (aux.clone() if aux is not None else None)
+
+    def _capture(self, T: int, want_aux: bool):
+        """Record one pass of T tokens; warm-up writes land in the last T slots, which hold no committed
+        token until the cache is full, and are overwritten before any mask lets them be read."""
+        dev = self.device
+        slots = torch.arange(self.max_len - T, self.max_len, device=dev)
+        inputs = (torch.zeros(T, dtype=torch.long, device=dev), slots.clone(), slots.clone(),
+                  torch.ones(T, self.max_len, dtype=torch.bool, device=dev))
+
+        def body():
+            self.kv.slots = inputs[2]
+            try:
+                return self._run(inputs[0], inputs[1], inputs[3][None, None], "all", want_aux)
+            finally:
+                self.kv.slots = None
+
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up off the capture, as torch.cuda.graph asks
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = body()
+        return graph, inputs, outputs
 
     @staticmethod
     def _mask(positions, start, end, attn_mask):

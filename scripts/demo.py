@@ -127,7 +127,7 @@ FOLDERS = {"data_gen": "data", "train": "head", "eval": "eval"}
 # data-gen: nothing, its own resume redoes exactly what the changed settings affect.
 STAGE_FILES = {
     "data_gen": (),
-    "train": ("checkpoints", "final", "metrics.jsonl", "val_metrics.json", "config.yaml", "wandb"),
+    "train": ("checkpoints", "final", "best", "metrics.jsonl", "val_metrics.json", "config.yaml", "wandb"),
     "eval": ("report.json", "report.md", "report.png", "manifest.json", "config.yaml"),
 }
 

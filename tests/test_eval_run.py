@@ -50,7 +50,9 @@ def save_tiny_head(folder, identity=None):
 
 
 def eval_cfg(questions, out, *extra):
-    return compose("eval", ["target=tiny", f"prompts.path={questions}", "prompts.n=null", "max_new_tokens=12",
+    # fp32: greedy speculative output must be token-identical to target-only decoding (eval's default is bf16)
+    return compose("eval", ["target=tiny", "target.dtype=float32", f"prompts.path={questions}", "prompts.n=null",
+                            "max_new_tokens=12",
                             "repeats=1", "progress=false", f"out={out}", *extra])
 
 
@@ -158,7 +160,7 @@ def test_cli_out_of_range_settings_exit_2(questions, tmp_path, capsys, override)
 @pytest.mark.slow
 def test_smollm2_spec_bench_ngram(tmp_path):
     """The embedded SmolLM2 on two Spec-Bench MT-bench questions (both turns): lossless, consistent figures."""
-    cfg = compose("eval", ["target=smollm2", "head=ngram", f"prompts.path={SPEC_BENCH}",
+    cfg = compose("eval", ["target=smollm2", "target.dtype=float32", "head=ngram", f"prompts.path={SPEC_BENCH}",
                            "prompts.categories=[writing]", "prompts.n=2", "prompts.multi_turn=true",
                            "max_new_tokens=32", "repeats=1", "progress=false", f"out={tmp_path}"])
     report = run(cfg)

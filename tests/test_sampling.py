@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.data_gen.regenerate import SamplingParams, sample_next
+from draftsmith.data_gen.batching import sample_next
+from draftsmith.data_gen.regenerate import SamplingParams
 from draftsmith.sampling import SamplingConfig, hash_seed, process_logits
 
 

@@ -54,7 +54,13 @@ class TrainConfig:
     micro_batch_size: int = 1  # per process
     grad_accum: int = 1  # micro-batches per optimizer step
     mega_batch: int = 64  # length bucketing: sort by length within this many global batches
-    val_samples: int = 0  # hold out the last N samples; evaluated at the end
+    val_samples: int = 0  # hold out the last N samples; evaluated at the end (and every eval_every steps)
+    # optimizer steps between held-out evaluations (needs val_samples); the best head so far by select_by is
+    # kept in out/best/ (same format as out/final/). 0 = evaluate only at the end, no out/best/
+    eval_every: int = 0
+    # held-out metric that picks out/best/ (higher is better): etau_greedy | etau_sample (EAGLE-3's expected
+    # acceptance length over its TTT depth) | acc_0 | alpha_0 | auto (etau_greedy when logged, else acc_0)
+    select_by: str = "auto"
 
     # optimisation
     epochs: int = 1  # passes over the data (when max_steps is None)
@@ -90,6 +96,10 @@ class TrainConfig:
                      "keep_last", "log_every"):
             checks.at_least(name, getattr(self, name), 1)
         checks.at_least("val_samples", self.val_samples, 0)
+        checks.at_least("eval_every", self.eval_every, 0)
+        checks.one_of("select_by", self.select_by, ("auto", "etau_greedy", "etau_sample", "acc_0", "alpha_0"))
+        if self.eval_every > 0 and self.val_samples == 0:
+            raise DraftsmithError(f"eval_every={self.eval_every} evaluates held-out rows; set val_samples to how many.")
         checks.at_least("max_steps", self.max_steps, 1, null="epochs over the data")
         checks.positive("lr", self.lr)
         checks.in_range("min_lr_ratio", self.min_lr_ratio, 0, 1)

@@ -11,14 +11,21 @@ Conventions (index t of a sequence x_0 .. x_{T-1}; f_t = the target's fused feat
             is in the draft vocab
 
 Attention at step i: query t sees the step-0 keys 0..t and, in each later step j <= i, the key of
-its own index t (its own branch one position further on): `ttt_mask(T, i)` over a `ConcatKVCache`.
+its own index t (its own branch one position further on): the mask `heads.eagle3.ttt_mask(T, i)`
+describes, computed here as one causal (T, T) block plus one score per later step (`ttt_attention`).
 So index t at step i is exactly what the drafter computes autoregressively after drafting i tokens
-from position t (tests/test_train_eagle3.py checks this against a step-by-step decode).
+from position t (tests/test_train_eagle3.py checks this against a step-by-step decode, and
+tests/test_train_speed.py the whole step against the head's own forward with the dense mask).
+
+Only the positions that count pass the final norm, the lm_head and the loss (`SoftCE`: one pass over
+row chunks for the loss, its gradient and the statistics).
 
 Logged per step i: loss, accuracy (draft argmax mapped to target ids == target argmax) and the
 expected acceptance alpha_i = sum_v min(p_v, q_v), p the target's full-vocab probabilities on the
 draft tokens, q the draft's. Accuracy and alpha count every loss-masked position, including those
-whose target argmax lies outside the draft vocab (which the draft cannot get right).
+whose target argmax lies outside the draft vocab (which the draft cannot get right; their share is
+logged as outside_draft). From the per-anchor products of the steps' acceptances, the expected
+acceptance length of a chain of the TTT depth, etau_greedy and etau_sample (`summarize`).
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith import checks
-from draftsmith.heads.eagle3 import ConcatKVCache, Eagle3Head, eagle3_config_from_target, ttt_mask
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
 
 
 @dataclass
@@ -52,8 +61,12 @@ class Eagle3Config:
         checks.at_least("method.ttt_steps", self.ttt_steps, 1)
         checks.positive("method.ttt_decay", self.ttt_decay)
 
-# Columns of the per-step statistics tensor `Eagle3Step.forward` returns, summed over positions.
-STATS = ("loss_sum", "loss_count", "correct", "alpha_sum", "metric_count")
+# Columns of the per-step statistics tensor `Eagle3Step.forward` returns, summed over positions. Step i's row:
+# outside_draft counts scored positions whose target argmax is outside the draft vocab; the chain_* columns
+# sum, over the anchors t whose targets t+1 .. t+1+i all count (chain_count of them), the products over
+# steps 0..i of [draft argmax right] and of alpha: the probability that a chain drafted at t gets i+1 tokens in.
+STATS = ("loss_sum", "loss_count", "correct", "alpha_sum", "metric_count", "outside_draft",
+         "chain_correct", "chain_alpha", "chain_count")
 
 
 @dataclass
@@ -81,8 +94,18 @@ class TargetHead:
         self.w_rest = lm_head_weight[self.rest_ids].detach()  # (V - Vd, H)
 
     @torch.no_grad()
-    def __call__(self, last_hidden: torch.Tensor) -> TargetSide:
-        """last_hidden (B, T, H): the target's post-final-norm hidden state."""
+    def __call__(self, last_hidden: torch.Tensor, rows: Optional[torch.Tensor] = None) -> TargetSide:
+        """last_hidden (B, T, H): the target's post-final-norm hidden state. `rows` (B, T) bool: compute only
+        these positions (the losses read no other); the others are left zero (argmax 0, not in the draft vocab)."""
+        if rows is not None:
+            part = self(last_hidden[rows])  # (N, ...) for the N positions asked for
+            B, T = rows.shape
+            probs = part.probs.new_zeros(B, T, part.probs.shape[-1])
+            in_mass, argmax = part.in_mass.new_zeros(B, T), part.argmax.new_zeros(B, T)
+            in_draft = part.argmax_in_draft.new_zeros(B, T)
+            probs[rows], in_mass[rows], argmax[rows], in_draft[rows] = (part.probs, part.in_mass, part.argmax,
+                                                                         part.argmax_in_draft)
+            return TargetSide(probs, in_mass, argmax, in_draft)
         x = last_hidden.to(self.w_draft.dtype)
         draft_logits = (x @ self.w_draft.T).float()  # (B, T, Vd)
         lse_draft = torch.logsumexp(draft_logits, dim=-1)
@@ -99,53 +122,153 @@ class TargetHead:
         return TargetSide(probs, torch.exp(lse_draft - lse_full), argmax, in_draft)
 
 
-def ttt_unroll(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Tensor,
+def ttt_hidden(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Tensor,
                attention_mask: torch.Tensor, steps: int):
-    """Yield the draft logits (B, T, Vd) of each TTT step; index t of step i drafts x_{t+2+i}.
+    """Yield the pre-norm hidden (B, T, H) of each TTT step; index t of step i drafts x_{t+2+i}.
 
     input_ids (B, T) right-padded, hidden (B, T, H) = head.fuse(aux), attention_mask (B, T).
+
+    The same maths as `head(tokens, hidden, positions + i, ttt_mask(T, i) & padding, ConcatKVCache)`
+    per step (tests/test_train_speed.py checks it in float64), without the dense (T, (i+1)T) mask:
+    the step-0 keys are scored as one causal (T, T) block and each later step's key only against its
+    own index (a dot product per position), then one softmax over the T + i scores of each query.
+    The embeddings, their norm and the rotary tables of all steps are computed once and sliced.
     """
     B, T = input_ids.shape
-    device = input_ids.device
-    cache = ConcatKVCache()
-    positions = torch.arange(T, device=device)[None].expand(B, T)
-    key_ok = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T) padding keys of step 0
+    layer = head.midlayer
+    ext = F.pad(input_ids[:, 1:], (0, steps))  # step i, index t reads ext[t + i] = x_{t+1+i} (0 past the end)
+    emb = layer.input_layernorm(head.embed_tokens(ext).to(hidden.dtype))  # (B, T-1+steps, H)
+    positions = torch.arange(T - 1 + steps, device=input_ids.device)[None].expand(B, -1)
+    cos_all, sin_all = head.rotary_emb(hidden, positions)
+    causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
+    step0_ok = (causal & attention_mask.bool()[:, None, :])[:, None, None]  # (B, 1, 1, T, T)
+    keys, values = [], []
     for i in range(steps):
-        tokens = F.pad(input_ids[:, 1 + i:], (0, 1 + i))  # index t: x_{t+1+i} (0 past the end)
-        later_keys = torch.ones(B, 1, 1, i * T, dtype=torch.bool, device=device)
-        mask = ttt_mask(T, i, device=device) & torch.cat([key_ok, later_keys], dim=-1)  # (B, 1, T, (i+1)T)
-        hidden, logits = head(tokens, hidden, positions + i, mask, cache)
-        yield logits
+        x = torch.cat([emb[:, i:i + T], layer.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
+        attn = ttt_attention(layer.self_attn, x, cos_all[:, i:i + T], sin_all[:, i:i + T], keys, values, step0_ok)
+        h = hidden + attn
+        hidden = h + layer.mlp(layer.post_attention_layernorm(h))
+        yield hidden
+
+
+def ttt_attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list, values: list,
+                  step0_ok: torch.Tensor) -> torch.Tensor:
+    """Attention of one TTT step (appends this step's k, v to `keys` / `values`): query t sees the step-0
+    keys allowed by `step0_ok` and, in each later step, the key of its own index t.
+
+    Scores, softmax and the weighted sum run in at least float32 with autocast off (they are small:
+    (T, T + i) per head), so bf16 training rounds only the projections."""
+    B, T, _ = x.shape
+    nh, nkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    q = attn.q_proj(x).view(B, T, nh, d).transpose(1, 2)  # (B, nh, T, d)
+    k = attn.k_proj(x).view(B, T, nkv, d).transpose(1, 2)  # (B, nkv, T, d)
+    v = attn.v_proj(x).view(B, T, nkv, d).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    keys.append(k.to(acc))
+    values.append(v.to(acc))
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        # head h reads kv head h // rep (repeat_interleave's order): group the query heads by kv head
+        qg = q.to(acc).reshape(B, nkv, nh // nkv, T, d) * d ** -0.5  # (B, nkv, rep, T, d)
+        s0 = (qg @ keys[0][:, :, None].transpose(-1, -2)).masked_fill(~step0_ok, float("-inf"))  # (B, nkv, rep, T, T)
+        later = [(qg * kj[:, :, None]).sum(-1, keepdim=True) for kj in keys[1:]]  # each (B, nkv, rep, T, 1)
+        w = torch.softmax(torch.cat([s0, *later], dim=-1), dim=-1)
+        y = w[..., :T] @ values[0][:, :, None]  # (B, nkv, rep, T, d)
+        for j, vj in enumerate(values[1:]):
+            y = y + w[..., T + j:T + j + 1] * vj[:, :, None]
+    y = y.reshape(B, nh, T, d).transpose(1, 2).reshape(B, T, nh * d).to(x.dtype)
+    return attn.o_proj(y)
+
+
+def ttt_unroll(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Tensor,
+               attention_mask: torch.Tensor, steps: int):
+    """Yield the draft logits (B, T, Vd) of each TTT step; index t of step i drafts x_{t+2+i} (for tests:
+    the loss takes the logits of the positions that count only)."""
+    for h in ttt_hidden(head, input_ids, hidden, attention_mask, steps):
+        yield head.lm_head(head.norm(h))
+
+
+class SoftCE(torch.autograd.Function):
+    """Soft cross-entropy of draft logits (M, Vd) against target probs p (M, Vd), with the statistics.
+
+    One pass over row chunks computes in float32 (float64 stays float64): ce = -sum_v p_v log q_v, the
+    draft's argmax, alpha = sum_v min(q_v, p_v * in_mass) and the gradient of ce with respect to the
+    logits, q * sum(p) - p, kept for backward (which is then one multiply): the log-softmax is computed
+    once, for the loss and the statistics alike. Returns (ce (M,), argmax (M,), alpha (M,)); only ce
+    has a gradient."""
+
+    CHUNK = 32  # rows per chunk: the chunk's (CHUNK, Vd) temporaries stay in cache
+
+    @staticmethod
+    def forward(ctx, logits, p, in_mass):
+        M, V = logits.shape
+        acc = torch.promote_types(logits.dtype, torch.float32)
+        grad = torch.empty(M, V, dtype=acc, device=logits.device)
+        ce = torch.empty(M, dtype=acc, device=logits.device)
+        alpha = torch.empty(M, dtype=acc, device=logits.device)
+        top = torch.empty(M, dtype=torch.long, device=logits.device)
+        for a in range(0, M, SoftCE.CHUNK):  # in place on the chunk's own copy: few passes, few allocations
+            b = min(a + SoftCE.CHUNK, M)
+            z = logits[a:b].to(acc, copy=True)
+            pc = p[a:b].to(acc)
+            zmax, top[a:b] = z.max(dim=-1)
+            z.sub_(zmax[:, None])
+            pz = torch.linalg.vecdot(pc, z)  # sum_v p_v z_v
+            q = z.exp_()
+            s = q.sum(-1)
+            psum = pc.sum(-1)
+            ce[a:b] = s.log() * psum - pz  # -sum p (z - log s)
+            q.div_(s[:, None])
+            alpha[a:b] = torch.minimum(q, pc * in_mass[a:b, None].to(acc)).sum(-1)
+            torch.sub(q.mul_(psum[:, None]), pc, out=grad[a:b])
+        ctx.save_for_backward(grad)
+        ctx.logits_dtype = logits.dtype
+        ctx.mark_non_differentiable(top, alpha)
+        return ce, top, alpha
+
+    @staticmethod
+    def backward(ctx, grad_ce, _top, _alpha):
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_ce[:, None].to(grad.dtype)).to(ctx.logits_dtype), None, None
 
 
 def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 loss_mask: torch.Tensor, aux: torch.Tensor, target: TargetSide,
                 steps: int = 7, decay: float = 0.8) -> tuple[torch.Tensor, torch.Tensor]:
-    """The TTT loss of one micro-batch and its statistics (steps, len(STATS)) for logging."""
+    """The TTT loss of one micro-batch and its statistics (steps, len(STATS)) for logging.
+
+    Only the positions that count (loss-masked, inside the sequence) go through the final norm,
+    the lm_head and the loss: the others contribute to neither the loss nor the statistics."""
     B, T = input_ids.shape
     valid = loss_mask.bool() & attention_mask.bool()  # (B, T): positions whose target counts
     hidden = head.fuse(aux)  # (B, T, H)
     loss = hidden.new_zeros((), dtype=torch.float32)
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    chain_ok = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)  # anchors whose targets so far all count
+    chain_correct = torch.ones(B, T, dtype=acc, device=input_ids.device)  # prod of [draft argmax right] so far
+    chain_alpha = torch.ones(B, T, dtype=acc, device=input_ids.device)  # prod of alpha so far
     stats = []
-    for i, logits in enumerate(ttt_unroll(head, input_ids, hidden, attention_mask, steps)):
+    for i, h in enumerate(ttt_hidden(head, input_ids, hidden, attention_mask, steps)):
         k = 1 + i  # index t is scored against the target at position t + k
-        n = max(T - k, 0)  # indices whose target lies inside the sequence
-        q_logits = logits[:, :n].float()  # (B, n, Vd)
-        p = target.probs[:, k:]  # (B, n, Vd)
-        m_metric = valid[:, k:]
-        m_loss = m_metric & target.argmax_in_draft[:, k:]
-        ce = F.cross_entropy(q_logits.reshape(-1, q_logits.shape[-1]), p.reshape(-1, p.shape[-1]),
-                             reduction="none").view(B, n)
-        n_loss = m_loss.sum()
-        loss_i = (ce * m_loss).sum() / n_loss.clamp(min=1)
+        m_metric = F.pad(valid[:, k:], (0, min(k, T)))  # (B, T): index t's target counts
+        b_idx, t_idx = torch.nonzero(m_metric, as_tuple=True)  # (M,) the rows that count
+        logits = head.lm_head(head.norm(h[b_idx, t_idx]))  # (M, Vd)
+        p = target.probs[b_idx, t_idx + k]  # (M, Vd)
+        in_draft = target.argmax_in_draft[b_idx, t_idx + k]  # (M,) the loss's rows
+        ce, top, alpha = SoftCE.apply(logits, p, target.in_mass[b_idx, t_idx + k])
+        n_loss = in_draft.sum()
+        loss_i = (ce * in_draft).sum() / n_loss.clamp(min=1)
         loss = loss + decay ** i * loss_i
         with torch.no_grad():
-            q = torch.softmax(q_logits, dim=-1)
-            draft_top = head.draft_to_target(q_logits.argmax(dim=-1))
-            correct = (draft_top == target.argmax[:, k:]) & m_metric
-            alpha = torch.minimum(q, p * target.in_mass[:, k:, None]).sum(-1)  # (B, n)
-            stats.append(torch.stack([loss_i.detach() * n_loss, n_loss.float(), correct.sum().float(),
-                                      (alpha * m_metric).sum(), m_metric.sum().float()]))
+            correct = head.draft_to_target(top) == target.argmax[b_idx, t_idx + k]  # (M,)
+            chain_ok &= m_metric
+            chain_correct[b_idx, t_idx] *= correct.to(acc)
+            chain_alpha[b_idx, t_idx] *= alpha.to(acc)
+            chain_correct *= m_metric
+            chain_alpha *= m_metric
+            stats.append(torch.stack([loss_i.detach().float() * n_loss, n_loss.float(), correct.sum().float(),
+                                      alpha.float().sum(), m_metric.sum().float(), (~in_draft).sum().float(),
+                                      chain_correct.sum().float(), chain_alpha.sum().float(), chain_ok.sum().float()]))
     return loss, torch.stack(stats)
 
 
@@ -165,14 +288,31 @@ class Eagle3Step(nn.Module):
 
 
 def summarize(stats: torch.Tensor) -> dict:
-    """Per-step metrics from summed statistics (steps, len(STATS)) (summed over micro-batches / ranks)."""
+    """Per-step metrics from summed statistics (steps, len(STATS)) (summed over micro-batches / ranks).
+
+    Besides loss_i / acc_i / alpha_i: `outside_draft` (share of scored positions whose target argmax is
+    outside the draft vocab) and the expected acceptance length of a chain of K = steps drafted tokens,
+    no decoding needed: E[tau] = 1 + sum_{k=1..K} P(the first k drafts are accepted), bonus token
+    included, `etau_greedy` with acceptance = the draft's argmax equals the target's and `etau_sample`
+    with acceptance alpha_i. Term k is the mean, over anchors whose k targets all count, of the product
+    over steps i < k (the chain_* columns); when a method leaves those empty (P-EAGLE) it is the product
+    of the per-step means."""
     s = stats.double()
     out = {}
+    terms_greedy, terms_sample, run_greedy, run_sample = [], [], 1.0, 1.0
     for i in range(s.shape[0]):
-        loss_sum, loss_count, correct, alpha_sum, metric_count = s[i].tolist()
-        out[f"loss_{i}"] = loss_sum / max(loss_count, 1)
-        out[f"acc_{i}"] = correct / max(metric_count, 1)
-        out[f"alpha_{i}"] = alpha_sum / max(metric_count, 1)
+        row = dict(zip(STATS, s[i].tolist()))
+        n = max(row["metric_count"], 1)
+        out[f"loss_{i}"] = row["loss_sum"] / max(row["loss_count"], 1)
+        out[f"acc_{i}"] = row["correct"] / n
+        out[f"alpha_{i}"] = row["alpha_sum"] / n
+        run_greedy, run_sample = run_greedy * out[f"acc_{i}"], run_sample * out[f"alpha_{i}"]
+        chained = row["chain_count"] > 0
+        terms_greedy.append(row["chain_correct"] / row["chain_count"] if chained else run_greedy)
+        terms_sample.append(row["chain_alpha"] / row["chain_count"] if chained else run_sample)
+    out["outside_draft"] = s[0, STATS.index("outside_draft")].item() / max(s[0, STATS.index("metric_count")].item(), 1)
+    out["etau_greedy"] = 1 + sum(terms_greedy)
+    out["etau_sample"] = 1 + sum(terms_sample)
     return out
 
 
@@ -222,6 +362,7 @@ def target_prepare(t2d: torch.Tensor, target, mode: str, autocast: Callable) -> 
             else:
                 aux, last = batch.pop("aux"), batch.pop("last")
             batch.pop("last", None)
-            return {**batch, "aux": aux, "target": target_head(last)}
+            counted = batch["loss_mask"].bool() & batch["attention_mask"].bool()  # the only positions a loss reads
+            return {**batch, "aux": aux, "target": target_head(last, counted)}
 
     return prepare

@@ -162,8 +162,10 @@ def peagle_loss(head: PEagleHead, input_ids: torch.Tensor, attention_mask: torch
         correct = head.draft_to_target(q_logits.argmax(dim=-1)) == target.argmax[b_idx, t_idx]
         alpha = torch.minimum(q, p * target.in_mass[b_idx, t_idx, None]).sum(-1)  # (M,)
         one_hot = F.one_hot(d_idx, depths).to(ce.dtype)  # (M, depths)
+        none = ce.new_zeros(depths)  # the chain_* columns: slots of one anchor are sampled, not all there
         stats = torch.stack([one_hot.T @ (ce.detach() * in_loss), one_hot.T @ in_loss.to(ce.dtype),
-                             one_hot.T @ correct.to(ce.dtype), one_hot.T @ alpha, one_hot.sum(0)], dim=1)
+                             one_hot.T @ correct.to(ce.dtype), one_hot.T @ alpha, one_hot.sum(0),
+                             one_hot.T @ (~in_loss).to(ce.dtype), none, none, none], dim=1)
     return loss, stats  # stats columns: train/eagle3.py STATS, one row per depth
 
 

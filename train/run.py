@@ -24,7 +24,8 @@ import torch
 from omegaconf import OmegaConf
 
 from draftsmith import DraftsmithError
-from draftsmith.artifacts import atomic_write_bytes, atomic_write_json, claim_output, prepare_output
+from draftsmith.artifacts import (atomic_write_bytes, atomic_write_json, claim_output, is_empty, owner_of,
+                                  prepare_output)
 from draftsmith.data_gen.target import load_target
 from draftsmith.methods import Method, method_for_config
 from draftsmith.train import checkpoint as ckpt
@@ -55,6 +56,8 @@ def compat_fields(cfg, identity: dict, world: int, n_train: int, total_steps: in
               "total_steps": total_steps, "precision": cfg.precision, "seed": cfg.seed}
     if cfg.deepspeed.config != "none":
         fields["world_size"] = world
+    if cfg.eval_every > 0:  # the best-so-far in the checkpoint is by this metric, at these steps
+        fields.update(eval_every=cfg.eval_every, select_by=cfg.select_by)
     return fields
 
 
@@ -84,8 +87,13 @@ def close_distributed() -> None:
 def check_output(cfg) -> Path:
     """out= may be new, empty or train's own earlier output, and never holds what this run reads."""
     resume_path = ckpt.resume_path_given(cfg.resume)  # a checkpoint folder is read too
-    return prepare_output(cfg.out, "train", [("data", cfg.data), ("resume", resume_path), ("target", cfg.target.name)],
-                          overwrite=bool(cfg.overwrite))
+    out = prepare_output(cfg.out, "train", [("data", cfg.data), ("resume", resume_path), ("target", cfg.target.name)],
+                         overwrite=bool(cfg.overwrite))
+    best = out / "best"
+    if cfg.eval_every > 0 and best.exists() and not (best.is_dir() and (is_empty(best) or owner_of(best) == "train_head")):
+        raise DraftsmithError(f"{best} exists and is not a head draftsmith train wrote; train replaces out/best with "
+                              f"the best held-out head (eval_every={cfg.eval_every}), so move it or choose another out.")
+    return out
 
 
 def total_steps_of(cfg, n_train: int, world: int) -> int:
@@ -116,6 +124,10 @@ def start_run_files(cfg, out: Path, resume: Path | None, start_step: int) -> Non
     if resume is None:
         (out / "metrics.jsonl").unlink(missing_ok=True)
         (out / "val_metrics.json").unlink(missing_ok=True)
+        if (out / "best").is_dir() and owner_of(out / "best") == "train_head":  # an earlier run's best, never another's
+            import shutil
+
+            shutil.rmtree(out / "best")
     atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
     if resume is not None and (out / "metrics.jsonl").is_file():
         lines = (out / "metrics.jsonl").read_text().splitlines()
@@ -171,14 +183,18 @@ def run(cfg) -> dict:
     if rank == 0:
         start_run_files(cfg, out, resume, start_step)
 
-    # loop -> evaluate -> save the final drafter
+    # loop (held-out evaluations every eval_every steps keep the best head in out/best) -> save the final drafter
     logger = Logger(trainer, out, rank, total_steps, start_step, config_dict)
-    final = out / "final"
+    final, best_dir = out / "final", out / "best"
+    best = dict(ckpt.read_state(resume).get("best") or {}) if resume is not None else {}
     try:
-        record = train_loop(w, trainer, train, prepare, method.summarize, out, rank, world, total_steps, start_step,
-                            {"method": method.name, "compat": compat, "mode": mode, "config": config_dict,
-                             "layout": {"world_size": world, "grad_accum": cfg.grad_accum}}, logger)
-        val_metrics = evaluate(w, val, prepare, method.summarize, trainer, world) if val is not None else {}
+        record, val_metrics = train_loop(
+            w, trainer, train, prepare, method.summarize, out, rank, world, total_steps, start_step,
+            {"method": method.name, "compat": compat, "mode": mode, "config": config_dict,
+             "layout": {"world_size": world, "grad_accum": cfg.grad_accum}}, logger,
+            val=val, best=best, save_best=lambda: save_final(method, w, drafter, best_dir, identity, rank))
+        if val is not None and not val_metrics:  # eval_every=0: the held-out rows are evaluated once, here
+            val_metrics = evaluate(w, val, prepare, method.summarize, trainer, world)
         save_final(method, w, drafter, final, identity, rank)
     finally:
         logger.close()
@@ -187,7 +203,8 @@ def run(cfg) -> dict:
     if rank == 0 and val_metrics:
         atomic_write_json(out / "val_metrics.json", val_metrics)
     return {"out": str(out), "final": str(final), "mode": mode, "steps": total_steps, "metrics": record,
-            "val": val_metrics, "rank": rank, "world_size": world, "method": method.name}
+            "val": val_metrics, "best": ({**best, "folder": str(best_dir)} if best else None),
+            "rank": rank, "world_size": world, "method": method.name}
 
 
 def summary(result: dict) -> str:
@@ -195,7 +212,11 @@ def summary(result: dict) -> str:
     if result["rank"] != 0:
         return f"train rank {result['rank']}/{result['world_size']}: done."
     val = result.get("val") or {}
-    shown = ", ".join(f"{k} {v:.3f}" for k, v in val.items() if k in ("val_loss_0", "val_acc_0", "val_alpha_0"))
+    shown = ", ".join(f"{k} {v:.3f}" for k, v in val.items()
+                      if k in ("val_loss_0", "val_acc_0", "val_alpha_0", "val_etau_greedy", "val_etau_sample"))
+    best = result.get("best")
     return (f"train: {result['method']}, {result['steps']} steps ({result['mode']}); head in {result['final']}"
-            + (f"; held-out {shown}" if shown else ""))
+            + (f"; held-out {shown}" if shown else "")
+            + (f"; best held-out {best['metric']} {best['score']:.3f} at step {best['step']} in {best['folder']}"
+               if best else ""))
 

@@ -56,6 +56,8 @@ class TrainerConfig:
     save_every: int
     keep_last: int
     log_every: int
+    eval_every: int
+    select_by: str
     progress: bool
     wandb: object  # mode, project, name
     fail_at_step: Optional[int]
@@ -310,20 +312,41 @@ def evaluate(w: Wrapped, data: TrainData, prepare: Callable, summarize: Callable
     return {f"val_{k}": v for k, v in summarize(total).items()}
 
 
+def selection_key(cfg, metrics: dict) -> str:
+    """The held-out metric (a key of `metrics`, val_ prefixed) that picks out/best/; higher is better."""
+    name = cfg.select_by
+    if name == "auto":
+        name = "etau_greedy" if "val_etau_greedy" in metrics else "acc_0"
+    if f"val_{name}" not in metrics:
+        shown = sorted(k[len("val_"):] for k in metrics)
+        raise DraftsmithError(f"select_by={cfg.select_by!r}: this method's held-out metrics have no {name!r}; "
+                              f"choose one of {shown}.")
+    return f"val_{name}"
+
+
 def train_loop(w: Wrapped, cfg, data: TrainData, prepare: Callable, summarize: Callable, out: Path,
                rank: int, world: int, total_steps: int, start_step: int, state_extra: dict,
-               logger: Logger) -> dict:
-    """Run optimizer steps start_step..total_steps; returns the last logged record."""
+               logger: Logger, val: Optional[TrainData] = None, best: Optional[dict] = None,
+               save_best: Optional[Callable[[], None]] = None) -> tuple[dict, dict]:
+    """Run optimizer steps start_step..total_steps; returns (the last logged record, the last held-out metrics).
+
+    With `val` and cfg.eval_every > 0 the held-out rows are evaluated every eval_every steps and at the end
+    (before that step's checkpoint, so its state includes the evaluation); when the selection metric beats
+    `best` (the resumable best-so-far: step, metric, score), `save_best()` writes out/best/ and `best` is updated."""
     global_batch = cfg.micro_batch_size * cfg.grad_accum * world
     batches_per_epoch = len(data.indices) // global_batch
     lengths = data.lengths()
     record: dict = {}
+    val_metrics: dict = {}
+    best = best if best is not None else {}
     step = start_step
+    order_epoch, order = None, []
     w.module.train()
     while step < total_steps:
         epoch, b = divmod(step, batches_per_epoch)
         t0 = time.perf_counter()
-        order = batch_order(lengths, global_batch, cfg.mega_batch, cfg.seed, epoch)
+        if epoch != order_epoch:  # the order is a pure function of (seed, epoch): built once per epoch
+            order, order_epoch = batch_order(lengths, global_batch, cfg.mega_batch, cfg.seed, epoch), epoch
         stats_sum, loss_sum, tokens = None, torch.zeros(()), torch.zeros(())
         for positions in micro_batches(order[b], cfg.micro_batch_size, rank, world):
             batch = prepare(collate(data, positions, cfg.device))
@@ -341,12 +364,23 @@ def train_loop(w: Wrapped, cfg, data: TrainData, prepare: Callable, summarize: C
                   "lr": w.scheduler.get_last_lr()[0], "tokens": int(reduced[1].item()),
                   "step_s": round(dt, 4), "tokens_per_s": round(reduced[1].item() / dt, 1),
                   **summarize(reduced[2:].view_as(stats_sum))}
-        if step % cfg.log_every == 0 or step == total_steps:
+        evaluated = val is not None and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == total_steps)
+        if evaluated:
+            val_metrics = evaluate(w, val, prepare, summarize, cfg, world)
+            key = selection_key(cfg, val_metrics)
+            record.update(val_metrics)
+            if not best or val_metrics[key] > best["score"]:
+                if save_best is not None:
+                    save_best()
+                best.clear()
+                best.update(step=step, metric=key, score=val_metrics[key])
+            record["best_step"] = best["step"]
+        if step % cfg.log_every == 0 or step == total_steps or evaluated:
             logger.log(record)
         if step % cfg.save_every == 0 or step == total_steps:
             state = {**state_extra, "step": step, "epoch": step // batches_per_epoch,
-                     "batch_in_epoch": step % batches_per_epoch, "metrics": record}
+                     "batch_in_epoch": step % batches_per_epoch, "metrics": record, "best": dict(best)}
             save_checkpoint(w, out, step, state, rank, world, cfg.keep_last)
         if cfg.fail_at_step is not None and step == cfg.fail_at_step:
             raise RuntimeError(f"fail_at_step={step}: simulated crash")
-    return record
+    return record, val_metrics

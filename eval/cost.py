@@ -1,0 +1,187 @@
+"""The cost model of speculative decoding, measured, and what to set in a serving engine.
+
+    speedup(K) = tau(K) * t_step / (t_verify(K+1) + t_draft(K))
+
+t_step       one target decode step (1 token) over the eval's typical cache length;
+t_verify(n)  one target pass over n tokens (the root + n-1 draft tokens), same cache length;
+t_draft(K)   the drafter's seconds per verification at draft length K (propose + update);
+tau(K)       tokens emitted per verification = 1 + sum_{i<K} a_i, a_i = per-position acceptance
+             (drafts accepted at position i / drafts proposed there, unconditional: a chain's i-th
+             token counts only if all before it were accepted, so the sum is the expected accepted length).
+
+t_step and t_verify are timed here (`measure_target`, sizes interleaved, median); t_draft and a_i
+come from the decode itself. The measured speedup of the same runs sits beside the prediction, so
+a model that is off shows up in the report. `serving_settings` turns the best K into the flags of
+vLLM (--speculative-config JSON: method, model, num_speculative_tokens) and SGLang
+(--speculative-algorithm, --speculative-num-steps, --speculative-eagle-topk, --speculative-num-draft-tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from draftsmith.eval.decoder import tree_mask
+
+
+# ---- the model ------------------------------------------------------------------------------
+
+def predicted_tau(acceptance: Sequence[float], k: int) -> float:
+    """Expected tokens per verification of a chain of k drafts: 1 (the bonus) + sum of the first k a_i."""
+    return 1.0 + sum(acceptance[:k])
+
+
+def predicted_speedup(tau: float, t_step: float, t_verify: float, t_draft: float) -> float:
+    """tau * t_step / (t_verify + t_draft): target-only seconds for tau tokens over one speculative cycle."""
+    cycle = t_verify + t_draft
+    return tau * t_step / cycle if cycle > 0 else 0.0
+
+
+def break_even_tau(t_step: float, t_verify: float, t_draft: float) -> float:
+    """The tau at which speculative decoding is exactly as fast as target-only decoding."""
+    return (t_verify + t_draft) / t_step if t_step > 0 else float("inf")
+
+
+# ---- timing the target ----------------------------------------------------------------------
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_target(runner, context: int, sizes: Sequence[int], repeats: int = 5, tree_sizes: Sequence[int] = (),
+                   clock: Callable[[], float] = time.perf_counter) -> dict:
+    """Median seconds of one target pass over n tokens after a `context`-token cache, for n in `sizes`
+    (chains: causal mask) and `tree_sizes` (a root with n-1 children: the tree-mask path).
+
+    Sizes are interleaved within each repeat so machine-speed drift hits all alike; one warm-up round."""
+    context = max(1, min(int(context), runner.max_len - max([*sizes, *tree_sizes, 1]) - 1))
+    dev = runner.device
+    prompt = torch.randint(0, runner.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).to(dev)
+    runner.reset()
+    runner.forward(prompt, torch.arange(context, device=dev), 0, logits_rows="last")
+    runner.commit(context)
+    shapes = [("chain", n) for n in sizes] + [("tree", n) for n in tree_sizes]
+    times: dict = {s: [] for s in shapes}
+    for rep in range(repeats + 1):
+        for kind, n in shapes:
+            tokens = torch.full((n,), 7, device=dev)
+            if kind == "chain":
+                positions, mask = context + torch.arange(n, device=dev), None
+            else:  # a root and n-1 siblings: every node at depth 1
+                parents = [-1] * (n - 1)
+                positions = context + torch.tensor([0] + [1] * (n - 1), device=dev)
+                mask = tree_mask(parents, context, dev)
+            _sync(dev)
+            t0 = clock()
+            runner.forward(tokens, positions, context, attn_mask=mask)
+            _sync(dev)
+            if rep:  # round 0 is the warm-up
+                times[(kind, n)].append(clock() - t0)
+    runner.reset()
+    med = {s: statistics.median(v) for s, v in times.items()}
+    return {"context": context, "repeats": repeats,
+            "step_s": med[("chain", 1)] if ("chain", 1) in med else None,
+            "verify_s": {str(n): med[("chain", n)] for n in sizes},
+            "tree_verify_s": {str(n): med[("tree", n)] for n in tree_sizes}}
+
+
+# ---- the table ------------------------------------------------------------------------------
+
+def cost_table(target: dict, acceptance: Sequence[float], runs: Sequence[dict], mode: str = "chain",
+               max_k: Optional[int] = None) -> list[dict]:
+    """One row per K: predicted tau and speedup, and (where K was decoded) the measured ones.
+
+    target: `measure_target`'s dict. acceptance: the head's per-position acceptance (from its longest-K
+    run). runs: one dict per decoded K: {k, tau, speedup, draft_s_per_verification, mean_draft_size}.
+    K without a run of its own borrow t_draft from the nearest decoded K, scaled by K / that K (a
+    drafter that drafts token by token; a one-forward drafter is overcharged there)."""
+    by_k = {int(r["k"]): r for r in runs}
+    t_step = target["step_s"]
+    top = max_k or max([*by_k, len(acceptance)] or [1])
+    rows = []
+    for k in range(1, top + 1):
+        run = by_k.get(k)
+        if run is not None:
+            t_draft = run["draft_s_per_verification"]
+        elif by_k:
+            near = min(by_k, key=lambda j: (abs(j - k), j))
+            t_draft = by_k[near]["draft_s_per_verification"] * k / near
+        else:
+            t_draft = 0.0
+        if mode == "tree" and run is not None:
+            n = int(round(run["mean_draft_size"])) + 1
+            t_verify = target["tree_verify_s"].get(str(n))
+            tau = run["tau"]  # a tree's tau is not a chain's sum: the measured one
+        else:
+            n = k + 1
+            t_verify = target["verify_s"].get(str(n))
+            tau = predicted_tau(acceptance, k) if k <= len(acceptance) else None
+        if t_verify is None or tau is None:
+            continue
+        rows.append({"k": k, "verify_tokens": n, "t_verify_s": t_verify, "t_draft_s": t_draft,
+                     "verify_over_step": t_verify / t_step if t_step else None,
+                     "predicted_tau": tau, "break_even_tau": break_even_tau(t_step, t_verify, t_draft),
+                     "predicted_speedup": predicted_speedup(tau, t_step, t_verify, t_draft),
+                     "measured_tau": run["tau"] if run else None,
+                     "measured_speedup": run["speedup"] if run else None})
+    return rows
+
+
+def best_measured(rows: Sequence[dict]) -> Optional[dict]:
+    """The row with the highest measured speedup (ties: the smaller K), or None when nothing was measured."""
+    measured = [r for r in rows if r.get("measured_speedup") is not None]
+    return max(measured, key=lambda r: (r["measured_speedup"], -r["k"])) if measured else None
+
+
+# ---- what to set ----------------------------------------------------------------------------
+
+# method -> (vLLM speculative-config method, SGLang --speculative-algorithm or None)
+ENGINE_METHODS = {"eagle3": ("eagle3", "EAGLE3"), "peagle": ("eagle3", None), "draft": ("draft_model", "STANDALONE"),
+                  "ngram": ("ngram", "NGRAM")}
+
+
+def serving_settings(method: str, target_model: str, head_path: Optional[str], k: int, mode: str = "chain",
+                     tree_top_k: int = 1, tree_size: Optional[int] = None, ngram_min: int = 1,
+                     ngram_max: int = 3) -> dict:
+    """vLLM's --speculative-config and SGLang's --speculative-* flags for `method` at draft length `k`.
+
+    Tree drafting (tree_size = the tree budget) maps to SGLang's topk / num-draft-tokens (the root counted, as
+    SGLang and heads/publish.py do); vLLM gets
+    the chain of the same depth. A method an engine cannot serve gets None and a reason."""
+    base = method.split("+")[-1]  # ngram+eagle3 is served as its head
+    vllm_method, sglang_algo = ENGINE_METHODS.get(base, (None, None))
+    out: dict = {"k": k, "mode": mode}
+    model = head_path or "<head folder>"
+    if vllm_method is None:
+        out["vllm"] = {"config": None, "command": None, "note": f"vLLM has no speculative method for {method!r}."}
+    else:
+        spec: dict = {"method": vllm_method, "num_speculative_tokens": k}
+        if base == "ngram":
+            spec.update(prompt_lookup_min=ngram_min, prompt_lookup_max=ngram_max)
+        else:
+            spec["model"] = model
+        if base == "peagle":
+            spec["parallel_drafting"] = True
+        text = json.dumps(spec)
+        out["vllm"] = {"config": spec, "command": f"vllm serve {target_model} --speculative-config '{text}'"}
+    if sglang_algo is None:
+        out["sglang"] = {"flags": None, "command": None,
+                         "note": f"SGLang has no speculative algorithm for {method!r}; serve it with vLLM."}
+    else:
+        tree = mode == "tree"
+        topk = tree_top_k if tree else 1
+        draft_tokens = (tree_size if tree and tree_size else k) + 1  # SGLang counts the root token
+        flags = {"--speculative-algorithm": sglang_algo, "--speculative-num-steps": k,
+                 "--speculative-eagle-topk": topk, "--speculative-num-draft-tokens": draft_tokens}
+        if base != "ngram":
+            flags = {"--speculative-algorithm": sglang_algo, "--speculative-draft-model-path": model,
+                     **{f: v for f, v in flags.items() if f != "--speculative-algorithm"}}
+        text = " ".join(f"{f} {v}" for f, v in flags.items())
+        out["sglang"] = {"flags": flags,
+                         "command": f"python -m sglang.launch_server --model-path {target_model} {text}"}
+    return out

@@ -1,0 +1,233 @@
+"""Dynamic draft length (`drafting.stop_below`): a chain ends with its first token whose drafter probability is
+below the threshold, no drafter step is spent past it, and decoding stays lossless (greedy token-identical to
+target-only; sampled output has the target's distribution, with the negative control failing)."""
+
+import pytest
+import torch
+
+import test_decoder_peagle as peagle_tests  # tests/ is on sys.path under pytest (rootdir conftest)
+import test_decoder_sampling as sampling_tests
+from draftsmith import DraftsmithError
+from draftsmith.data_gen.target import TargetConfig, load_target
+from draftsmith.eval import decoder
+from draftsmith.eval.decoder import DraftingConfig, SamplingConfig, speculative_generate
+from draftsmith.eval.peagle_proposer import PEagleProposer
+from draftsmith.eval.proposers import DraftModelProposer, Eagle3Proposer
+from draftsmith.eval.target_runner import TargetRunner
+from draftsmith.sampling import process_logits
+from test_decoder_greedy import _draft_llama, _eagle_head, _repetitive_prompt
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+K = 4
+GREEDY = SamplingConfig()
+
+
+@pytest.fixture(scope="module")
+def tiny(one_thread):
+    target = load_target(TargetConfig(name="tiny", dtype="float64"))
+    return target, TargetRunner(target.model, 256, target.aux_layer_ids)
+
+
+def _peagle_head(target, draft_vocab=200, seed=0):
+    from draftsmith.heads.peagle import PEagleHead, peagle_config_from_target
+
+    torch.manual_seed(seed)
+    V = target.vocab_size
+    head = PEagleHead(peagle_config_from_target(target.model.config, draft_vocab, 2, V - 1)).double().eval()
+    used = torch.sort(torch.randperm(V)[:draft_vocab]).values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[used] = True
+    head.init_from_target(target.model, used - torch.arange(draft_vocab), t2d)
+    return head
+
+
+def _recording(cls):
+    """A proposer class that keeps, per draft: its tokens and the drafter's logits at each depth it computed."""
+
+    class Recording(cls):
+        rounds: list
+
+        def propose(self, drafting, sampling, generator=None):
+            self._rows = [] if cls is PEagleProposer else [self._root_logits.clone()]
+            draft = super().propose(drafting, sampling, generator)
+            self.rounds.append((draft.tokens, self._rows))
+            return draft
+
+        def _expand(self, nodes, tokens, parents, depth):  # EAGLE-3 and the draft model: one row per depth
+            logits = super()._expand(nodes, tokens, parents, depth)
+            self._rows.append(logits[0].clone())
+            return logits
+
+        def _forward(self, k):  # P-EAGLE: all K rows from one forward
+            logits = super()._forward(k)
+            self._rows.extend(logits.clone())
+            return logits
+
+    return Recording
+
+
+def _make(kind, target, record=False):
+    V = target.vocab_size
+    if kind == "eagle3":
+        return _recording(Eagle3Proposer)(_eagle_head(target), V, 256) if record else Eagle3Proposer(_eagle_head(target), V, 256)
+    if kind == "draft_model":
+        cls = _recording(DraftModelProposer) if record else DraftModelProposer
+        return cls(_draft_llama(V, 1), V, 256)
+    cls = _recording(PEagleProposer) if record else PEagleProposer
+    return cls(_peagle_head(target), V, 256)
+
+
+def _median_top_prob(runner, proposer, prompts):
+    """The median of the drafter's top-1 probabilities over fixed-K greedy runs: a threshold that cuts some
+    chains short and lets others run to K (the random tiny drafters are flat, near 1/V)."""
+    seen = []
+    real = DraftingConfig.stops_at
+
+    def spy(self, prob):
+        seen.append(prob)
+        return real(self, prob)
+
+    DraftingConfig.stops_at = spy
+    try:
+        for prompt in prompts:
+            speculative_generate(runner, proposer, prompt, 40, GREEDY, DraftingConfig("chain", K, stop_below=1e-12), [])
+    finally:
+        DraftingConfig.stops_at = real
+    return float(torch.tensor(seen).median())
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "draft_model", "peagle"])
+def test_chain_ends_at_the_first_unsure_token_and_greedy_is_token_identical(tiny, kind):
+    target, runner = tiny
+    prompts = [_repetitive_prompt(seed=s) for s in range(3)]
+    proposer = _make(kind, target, record=True)
+    proposer.rounds = []
+    threshold = _median_top_prob(runner, proposer, prompts)
+    drafting = DraftingConfig("chain", K, stop_below=threshold)
+    lengths = []
+    for prompt in prompts:
+        ref = speculative_generate(runner, None, prompt, 40, GREEDY, DraftingConfig(), []).tokens
+        proposer.rounds = []
+        res = speculative_generate(runner, proposer, prompt, 40, GREEDY, drafting, [])
+        assert res.tokens == ref  # lossless
+        for tokens, rows in proposer.rounds:
+            probs = [float(row.double().softmax(-1).max()) for row in rows]
+            first_unsure = next((d for d, p in enumerate(probs[:K]) if p < threshold), K - 1)
+            assert len(tokens) == first_unsure + 1, (probs, threshold)
+            if kind != "peagle":  # one drafter step per kept token, none past the stop
+                assert len(rows) == len(tokens)
+            lengths.append(len(tokens))
+    assert 1 in lengths and K in lengths  # the threshold cut some chains and let others run to K
+
+
+def test_stop_below_zero_drafts_k_tokens(tiny):
+    target, runner = tiny
+    proposer = _make("eagle3", target, record=True)
+    proposer.rounds = []
+    speculative_generate(runner, proposer, _repetitive_prompt(), 30, GREEDY, DraftingConfig("chain", K), [])
+    assert proposer.rounds and all(len(tokens) == K for tokens, _ in proposer.rounds[:-1])
+
+
+@pytest.mark.parametrize("kw", [dict(stop_below=-0.1), dict(stop_below=1.0),
+                                dict(mode="tree", stop_below=0.5)])
+def test_bad_stop_below(kw):
+    with pytest.raises(DraftsmithError, match="stop_below"):
+        DraftingConfig(**kw)
+
+
+def test_eval_config_passes_stop_below(compose_cfg):
+    from draftsmith.eval.config import build_settings
+
+    cfg = compose_cfg("eval", "head=ngram", "prompts.path=x.jsonl", "drafting.stop_below=0.3")
+    assert build_settings(cfg)[1].stop_below == 0.3
+
+
+# ---- sampling: the distribution test of tests/test_decoder_sampling.py, with dynamic chains -----------------
+
+V = sampling_tests.V
+
+
+def _sampling_proposer(kind, target):
+    if kind == "eagle3":
+        return Eagle3Proposer(sampling_tests._eagle(target), V, 32)
+    if kind == "draft_model":
+        return DraftModelProposer(sampling_tests._llama(1, 60), V, 32)
+    return PEagleProposer(peagle_tests._head(target, [0, 1, 2, 4, 5, 7], seed=3, layers=2, scale=1), V, 32)
+
+
+# thresholds between the drafters' q(x) quantiles on this setup, so that both chain lengths occur
+SAMPLING_CASES = {
+    "eagle3-T1": ("eagle3", SamplingConfig(temperature=1.0), 0.95),
+    "draft_model-T1": ("draft_model", SamplingConfig(temperature=1.0), 0.95),
+    "draft_model-topk-topp": ("draft_model", SamplingConfig(temperature=0.8, top_k=5, top_p=0.9), 0.95),
+    "peagle-T1": ("peagle", SamplingConfig(temperature=1.0), 0.7),
+}
+
+
+def _empirical(runner, proposer, sampling, drafting):
+    """Counts of (x2, x3) over N_RUNS seeded generations, and the drafts' per-depth counts.
+
+    Four tokens are generated (the exact joint is of x2 and x3 all the same) so that the first cycle's chain of
+    two, drafting x2 and x3, fits whole: with three, the decoder would cut every draft to one token."""
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(V * V, dtype=torch.float64)
+    proposed = [0, 0]
+    for _ in range(sampling_tests.N_RUNS):
+        res = speculative_generate(runner, proposer, sampling_tests.PROMPT, 4, sampling, drafting, [], generator=g)
+        counts[res.tokens[1] * V + res.tokens[2]] += 1
+        proposed = [a + b for a, b in zip(proposed, res.proposed_per_position)]
+    return counts, proposed
+
+
+def _pvalue(case):
+    kind, sampling, threshold = SAMPLING_CASES[case]
+    target = sampling_tests._llama(0, 60)
+    runner = TargetRunner(target, 32, [0, 1, 1])
+    counts, proposed = _empirical(runner, _sampling_proposer(kind, target), sampling,
+                                  DraftingConfig("chain", 2, stop_below=threshold))
+    assert 0 < proposed[1] < proposed[0], proposed  # both chain lengths (1 and 2) were drafted
+    return sampling_tests._chi2_pvalue(counts, sampling_tests._exact_joint(target, sampling))
+
+
+@pytest.mark.slow  # 2500 seeded generations each
+@pytest.mark.parametrize("case", list(SAMPLING_CASES))
+def test_dynamic_sampling_matches_target_distribution(case):
+    pval, stat, df = _pvalue(case)
+    print(f"{case}: chi2={stat:.1f} df={df} p={pval:.3g}")
+    assert pval > 1e-3, (case, stat, df)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["eagle3-T1", "peagle-T1"])
+def test_dynamic_negative_control_resampling_from_p_fails(case, monkeypatch):
+    """A wrong sampler (on rejection, resample from p instead of the residual) must fail the same test."""
+    monkeypatch.setattr(decoder, "residual_distribution", lambda p, q: p)
+    pval, stat, df = _pvalue(case)
+    print(f"wrong sampler {case}: chi2={stat:.1f} df={df} p={pval:.3g}")
+    assert pval < 1e-4, (case, stat, df)
+
+
+def test_sampled_chain_keeps_the_q_it_was_drawn_from(tiny):
+    """Cutting a sampled chain keeps each kept token's q row unchanged: q of depth d is the drafter's own."""
+    target, runner = tiny
+    proposer = _make("draft_model", target, record=True)
+    proposer.rounds = []
+    sampling = SamplingConfig(temperature=1.0)
+    drafts = []
+    real = proposer.propose
+
+    def keep(drafting, s, generator=None):
+        d = real(drafting, s, generator)
+        drafts.append(d)
+        return d
+
+    proposer.propose = keep
+    g = torch.Generator().manual_seed(0)
+    speculative_generate(runner, proposer, _repetitive_prompt(), 30, sampling,
+                         DraftingConfig("chain", K, stop_below=0.005), [], generator=g)
+    assert any(len(d.tokens) < K for d in drafts)
+    for d, (tokens, rows) in zip(drafts, proposer.rounds):
+        assert d.q.shape[0] == len(d.tokens) == len(rows)
+        for i, row in enumerate(rows):
+            torch.testing.assert_close(d.q[i], process_logits(row, sampling))
