@@ -377,11 +377,9 @@ def cost_report(setup: Setup, drafter: Drafter, samples: dict[str, list[metrics.
 
 def _hub_id(target_id: str) -> str:
     """The target's Hub id for serving commands (publish's table of known targets), else its own id."""
-    try:
-        from draftsmith.heads.publish import KNOWN_TARGETS
-    except ImportError:
-        return target_id
-    return (KNOWN_TARGETS.get(target_id) or (None, None))[0] or target_id
+    from draftsmith.heads.publish import KNOWN_TARGETS
+
+    return KNOWN_TARGETS.get(target_id, (target_id,))[0]
 
 
 def write_outputs(setup: Setup, drafter: Drafter, report: dict) -> None:

@@ -18,7 +18,7 @@ from draftsmith.eval.proposers import DraftModelProposer, Eagle3Proposer, NgramF
 from draftsmith.eval.target_runner import TargetRunner
 from draftsmith.train.eagle3 import ttt_unroll
 from test_decoder_greedy import _draft_llama, _eagle_head, _repetitive_prompt
-from test_proposers_dynamic import _empirical, _peagle_head
+from test_proposers_dynamic import _empirical, _peagle_head, _sampling_proposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -134,11 +134,7 @@ def _pvalue(case):
     kind, sampling, ngram_min = SAMPLING_CASES[case]
     target = sampling_tests._llama(0, 60)
     runner = TargetRunner(target, 32, [0, 1, 1])
-    head = {"eagle3": lambda: Eagle3Proposer(sampling_tests._eagle(target), V, 32),
-            "draft_model": lambda: DraftModelProposer(sampling_tests._llama(1, 60), V, 32),
-            "peagle": lambda: PEagleProposer(peagle_tests._head(target, [0, 1, 2, 4, 5, 7], seed=3, layers=2,
-                                                                scale=1), V, 32)}[kind]()
-    both = NgramFirstProposer(NgramProposer(3, ngram_min), head)
+    both = NgramFirstProposer(NgramProposer(3, ngram_min), _sampling_proposer(kind, target))
     counts, proposed = _empirical(runner, both, sampling, DraftingConfig("chain", 2))
     assert proposed[1] > 0  # chains of two were verified (four tokens generated: see _empirical)
     assert both.drafted_by["ngram"] > 100 and both.drafted_by["head"] > 100, both.drafted_by  # both drafted often
