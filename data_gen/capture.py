@@ -1,10 +1,18 @@
 """Offline hidden-state capture: the target's EAGLE-3 features per sample, in safetensors shards.
 
 Layout of `folder` (normally `out/hidden_states/`):
-  shard_00000.safetensors ...  tensors `{i}.aux` (T_i, 3H) and `{i}.last` (T_i, H) for sample i
+  shard_00000.safetensors ...  tensors `{i}.aux` (T_i, 3H) and `{i}.last` (T_i, H) for sample i, and
+                               the target's own next-token statistics `{i}.top` (T_i,) int32, the argmax of
+                               its full-vocab logits, and `{i}.lse` (T_i,) float32, their logsumexp
   index.json  {"shards": [{"file", "first", "count", "bytes"}], "dtype", "aux_layer_ids",
-               "last_hidden_state": "post_final_norm", "hidden_size", "num_samples",
-               "samples_per_shard", "complete"}
+               "last_hidden_state": "post_final_norm", "target_stats": ["top", "lse"], "hidden_size",
+               "num_samples", "samples_per_shard", "complete"}
+
+`top` and `lse` are what training needs of the full vocabulary (is the target's argmax in the draft
+vocab; how much of its mass the draft vocab holds), computed here from the unrounded hidden state, so
+that a training step multiplies the stored hidden state by the draft-vocab rows of the lm_head only.
+Folders written before they existed (no "target_stats" in the index) still train: the step then
+recomputes them from the stored `last` through the whole lm_head.
 
 Shard s holds samples [s * samples_per_shard, ...). Each shard is written to a temporary name and
 renamed, then recorded in index.json (itself written atomically). A killed job resumes: shards
@@ -33,6 +41,7 @@ from draftsmith.data_gen.target import torch_dtype
 
 INDEX = "index.json"
 RANK_INDEX = "index.rank{:05d}.json"  # a rank's finished shards, while ranks capture together
+TARGET_STATS = ("top", "lse")  # per position: the target's argmax token and the logsumexp of its logits
 
 
 def shard_name(s: int) -> str:
@@ -52,16 +61,17 @@ def tokens_hash(input_ids: list[list[int]]) -> str:
 
 def index_header(target, dtype: str, input_ids: list[list[int]], samples_per_shard: int) -> dict:
     num_samples = len(input_ids)
-    return {"tokens_hash": tokens_hash(input_ids), "dtype": dtype, "aux_layer_ids": list(target.aux_layer_ids), "last_hidden_state": "post_final_norm",
+    return {"tokens_hash": tokens_hash(input_ids), "dtype": dtype, "aux_layer_ids": list(target.aux_layer_ids),
+            "last_hidden_state": "post_final_norm", "target_stats": list(TARGET_STATS),
             "hidden_size": target.hidden_size, "num_samples": num_samples, "samples_per_shard": samples_per_shard,
             "target_hash": target.target_hash}
 
 
-def shard_problem(path: Path, entry: dict) -> str | None:
+def shard_problem(path: Path, entry: dict, stats: tuple[str, ...] = ()) -> str | None:
     """Why a shard file cannot be used as its index entry says (missing, truncated, corrupted), or None.
 
-    Checks the size and the safetensors header (which names every `{i}.aux` / `{i}.last` tensor);
-    it reads no tensor data.
+    Checks the size and the safetensors header (which names every `{i}.aux` / `{i}.last` tensor, and
+    `{i}.top` / `{i}.lse` when the entry's index lists target_stats); it reads no tensor data.
     """
     from safetensors import safe_open
 
@@ -78,7 +88,8 @@ def shard_problem(path: Path, entry: dict) -> str | None:
     first, count = entry.get("first"), entry.get("count")
     if not isinstance(first, int) or not isinstance(count, int):
         return "has a malformed entry in index.json"
-    missing = [i for i in range(first, first + count) if f"{i}.aux" not in keys or f"{i}.last" not in keys]
+    names = ("aux", "last", *stats)
+    missing = [i for i in range(first, first + count) if any(f"{i}.{n}" not in keys for n in names)]
     if missing:
         return f"lacks the hidden states of sample {missing[0]}"
     return None
@@ -97,7 +108,7 @@ def _entries(path: Path, folder: Path, header: dict) -> dict[int, dict]:
             s, first, count = entry["first"] // header["samples_per_shard"], entry["first"], entry["count"]
             if entry["file"] != shard_name(s) or first != s * header["samples_per_shard"] or count < 1:
                 continue
-            if shard_problem(folder / entry["file"], entry) is None:
+            if shard_problem(folder / entry["file"], entry, tuple(header["target_stats"])) is None:
                 done[s] = entry
     except (ValueError, KeyError, TypeError, AttributeError):  # a corrupt index: start over
         return {}
@@ -133,8 +144,10 @@ def write_index(folder: Path, header: dict, done: dict[int, dict]) -> dict:
     return index
 
 
-def features_batch(target, batch: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(aux (T, 3H), last (T, H)) per sequence, computed right-padded in one forward."""
+def features_batch(target, batch: list[list[int]]) -> list[dict[str, torch.Tensor]]:
+    """{"aux" (T, 3H), "last" (T, H), "top" (T,) int32, "lse" (T,) float32} per sequence, computed
+    right-padded in one forward; the lm_head runs over one sequence's positions at a time (a full-vocab
+    (B, T, V) tensor of a large target would not fit)."""
     T = max(len(x) for x in batch)
     pad = target.tokenizer.pad_token_id
     input_ids = torch.full((len(batch), T), pad, dtype=torch.long)
@@ -143,7 +156,12 @@ def features_batch(target, batch: list[list[int]]) -> list[tuple[torch.Tensor, t
         input_ids[r, : len(x)] = torch.tensor(x)
         attn[r, : len(x)] = 1
     aux, last = target.features(input_ids.to(target.device), attn.to(target.device))  # (B, T, 3H), (B, T, H)
-    return [(aux[r, : len(x)], last[r, : len(x)]) for r, x in enumerate(batch)]
+    out = []
+    for r, x in enumerate(batch):
+        logits = target.logits(last[r, : len(x)]).float()  # (T_r, V)
+        out.append({"aux": aux[r, : len(x)], "last": last[r, : len(x)], "top": logits.argmax(-1).to(torch.int32),
+                    "lse": torch.logsumexp(logits, dim=-1)})
+    return out
 
 
 def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> int:
@@ -183,9 +201,11 @@ def capture_hidden_states(target, input_ids: list[list[int]], folder: str | Path
             tensors = {}
             for b in range(0, len(order), batch_size):
                 idx = order[b:b + batch_size]
-                for i, (aux, last) in zip(idx, features_batch(target, [input_ids[i] for i in idx])):
-                    tensors[f"{i}.aux"] = aux.to(store_dtype).cpu().contiguous()
-                    tensors[f"{i}.last"] = last.to(store_dtype).cpu().contiguous()
+                for i, feats in zip(idx, features_batch(target, [input_ids[i] for i in idx])):
+                    tensors[f"{i}.aux"] = feats["aux"].to(store_dtype).cpu().contiguous()
+                    tensors[f"{i}.last"] = feats["last"].to(store_dtype).cpu().contiguous()
+                    tensors[f"{i}.top"] = feats["top"].cpu().contiguous()
+                    tensors[f"{i}.lse"] = feats["lse"].cpu().contiguous()
                     bar.update(len(input_ids[i]))
             nbytes = _write_shard(folder / shard_name(s), tensors)
             done[s] = captured[s] = {"file": shard_name(s), "first": first, "count": count, "bytes": nbytes}

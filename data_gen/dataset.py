@@ -87,9 +87,18 @@ class HiddenStates:
             self._open[file] = safe_open(str(self.folder / file), framework="pt")
         return self._open[file]
 
+    @property
+    def stats(self) -> tuple[str, ...]:
+        """The per-position target statistics the shards carry (("top", "lse"); () for older folders)."""
+        return tuple(self.index.get("target_stats", ()))
+
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= i < len(self):
             raise IndexError(i)
-        shard = self.shards[i // self.per_shard]
-        f = self._handle(shard["file"])
+        f = self._handle(self.shards[i // self.per_shard]["file"])
         return f.get_tensor(f"{i}.aux"), f.get_tensor(f"{i}.last")
+
+    def target_stats(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top (T_i,) int32, lse (T_i,) float32) of sample i: the target's argmax and logsumexp per position."""
+        f = self._handle(self.shards[i // self.per_shard]["file"])
+        return f.get_tensor(f"{i}.top"), f.get_tensor(f"{i}.lse")

@@ -1,30 +1,31 @@
 """Benchmark: a learning curve of EAGLE-3 heads against the amount of self-generated data (not a test).
 
-    nice python scripts/bench_learning_curve.py --out runs/curve --prompts 110 440 1760
+    nice python scripts/bench_learning_curve.py --out runs/curve --samples 80 240 720
         [--variants plain filtered mix mix_filtered] [--ks 3 7] [--heldout 16] [--spec-bench-n 16]
-        [--target smollm2] [--gen-max-new-tokens 128] [--epochs 2] [--eval-max-new-tokens 64]
+        [--target smollm2] [--gen-max-new-tokens 128] [--epochs 2] [--mode offline] [--eval-max-new-tokens 64]
 
-For every variant (how the training data is made) and every point (training prompts; at the default
-128 new tokens a self-written sample is ~180 tokens, so 110 / 440 / 1760 prompts are ~20 k / 80 k /
-320 k tokens), under `<out>/<variant>/p<prompts>/`:
-  data/                 `draftsmith data-gen prompts=self` (+ the variant's options)
-  head/                 `draftsmith train method=eagle3` online on all of it (no rows held out: the
-                        held-out prompts below are apart from every training set)
-  eval_<set>_k<K>/      `draftsmith eval` temperature 0, chain drafting K, the built-in decoder, on
-                        two held-out sets: `self` (self-written prompts of another seed, unsteered and
-                        unfiltered: `<out>/heldout/data`, made once) and `spec_bench` (Spec-Bench
-                        questions, at most 2 per category; evaluation only, never trained on)
-Each stage is skipped when `<stage>.done.json` in the point's folder holds the same overrides; an
-interrupted data-gen resumes its chunks and an interrupted training its latest checkpoint, so the
-script is resumable: rerun the same command (or add points / variants).
+For every variant (how the training data is made), under `<out>/<variant>/`:
+  data/                 one `draftsmith data-gen prompts=self` (+ the variant's options) of max(--samples)
+                        prompts, with hidden states for offline training; at the default 128 new tokens a
+                        self-written sample is ~180 tokens, so 80 / 240 / 720 samples are ~15 k / 45 k / 130 k
+  p<N>/head/            `draftsmith train method=eagle3 train_samples=N`: the first N samples (so the points
+                        are nested: each adds data to the one before), --epochs passes, no rows held out
+  p<N>/eval_<set>_k<K>/ `draftsmith eval` temperature 0, chain drafting K, the built-in decoder, on two
+                        held-out sets: `self` (self-written prompts of another seed, unsteered and
+                        unfiltered: `<out>/heldout/data`, made once) and `spec_bench` (Spec-Bench questions,
+                        at most 2 per category; evaluation only, never trained on)
+Each stage is skipped when `<stage>.done.json` in its folder holds the same overrides; an interrupted
+data-gen resumes its chunks and an interrupted training its latest checkpoint, so the script is
+resumable: rerun the same command (or add points / variants).
 
-Writes `<out>/learning_curve.json` (one row per variant, point, set and K: training samples and
-tokens, what the filters dropped, tau, per-position acceptance, speedup against target-only decoding
-and the break-even tau = tau / speedup, the tau at which this head's drafting cost is just paid for)
-and `<out>/learning_curve.png` (tau against training tokens, one panel per held-out set, the
-break-even taus dashed). Variants: plain (unsteered, unfiltered: the default data-gen), filtered
-(filters.prompts and filters.answers on), mix (prompts=self_mix: steered across task kinds) and
-mix_filtered.
+Writes `<out>/learning_curve.json` (one row per variant, point, set and K: training samples and tokens,
+training seconds, what the filters dropped, tau, per-position acceptance, speedup against target-only
+decoding and the break-even tau = tau / speedup, the tau at which this head's drafting cost is just paid
+for), `<out>/learning_curve.md` (the table) and `<out>/learning_curve.png` (tau against training tokens, one
+panel per held-out set, the break-even taus dashed). Variants: plain (unsteered, unfiltered: the default
+data-gen), filtered (filters.prompts and filters.answers on), mix (prompts=self_mix: steered across task
+kinds) and mix_filtered. A filtered variant may keep fewer samples than asked: its larger points are cut
+to what it kept.
 """
 
 from __future__ import annotations
@@ -87,58 +88,82 @@ def heldout_self(args, log: list) -> Path:
     return folder / "data"
 
 
-def point(args, variant: str, n: int, heldout: Path, log: list) -> list[dict]:
-    """Data-gen, train and eval of one point; its rows."""
-    folder = args.out / variant / f"p{n}"
-    target = f"target={args.target}"
+def variant_data(args, variant: str, log: list) -> Path:
+    """One data-gen of max(--samples) prompts for the variant (hidden states too for offline training)."""
+    folder = args.out / variant
     # steered prompts carry a passage to summarise or extract from: they get twice the room
     prompt_tokens = args.max_prompt_tokens * (2 if "prompts=self_mix" in VARIANTS[variant] else 1)
-    stage(folder, "data_gen", [target, *VARIANTS[variant], f"prompts.n={n}", f"prompts.seed={args.seed}",
-                               f"prompts.max_prompt_tokens={prompt_tokens}", f"seed={args.seed}", f"max_new_tokens={args.gen_max_new_tokens}",
+    stage(folder, "data_gen", [f"target={args.target}", *VARIANTS[variant], f"prompts.n={max(args.samples)}",
+                               f"prompts.seed={args.seed}", f"prompts.max_prompt_tokens={prompt_tokens}",
+                               f"seed={args.seed}", f"max_new_tokens={args.gen_max_new_tokens}",
+                               f"hidden_states={str(args.mode == 'offline').lower()}",
+                               f"backend.batch_size={args.gen_batch_size}", f"regenerate_chunk={4 * args.gen_batch_size}",
                                f"target.dtype={args.gen_dtype}", f"out={folder / 'data'}", "overwrite=true"], log)
-    stage(folder, "train", ["method=eagle3", target, f"data={folder / 'data'}", f"out={folder / 'head'}",
-                            "mode=online", "deepspeed=none", f"epochs={args.epochs}", f"lr={args.lr}",
-                            "warmup_ratio=0.05", f"method.draft_vocab_size={args.draft_vocab_size}",
-                            f"max_length={args.max_length}", f"micro_batch_size={args.micro_batch_size}",
-                            f"precision={args.precision}", f"seed={args.seed}", "wandb.mode=disabled",
-                            "progress=false", "save_every=200", "overwrite=true"], log)
+    return folder / "data"
+
+
+def point(args, variant: str, data: Path, n: int, heldout: Path, log: list) -> list[dict]:
+    """Train on the first n samples of the variant's data and eval; the point's rows."""
+    folder = args.out / variant / f"p{n}"
+    target = f"target={args.target}"
+    stage(folder, "train", ["method=eagle3", target, f"data={data}", f"out={folder / 'head'}",
+                                  f"mode={args.mode}", "deepspeed=none", f"train_samples={n}", f"epochs={args.epochs}",
+                                  f"lr={args.lr}", "warmup_ratio=0.05", f"method.draft_vocab_size={args.draft_vocab_size}",
+                                  f"max_length={args.max_length}", f"micro_batch_size={args.micro_batch_size}",
+                                  f"precision={args.precision}", f"seed={args.seed}", "wandb.mode=disabled",
+                                  "progress=false", "save_every=200", "overwrite=true"], log)
+    train_seconds = json.loads((folder / "train.done.json").read_text())["seconds"]
     sets = {"self": ["prompts.source=holdout", f"prompts.path={heldout}", f"prompts.holdout={args.heldout}",
                      "prompts.n=null"],
             "spec_bench": ["prompts.source=question", f"prompts.path={args.spec_bench}", "prompts.per_category=2",
                            f"prompts.n={args.spec_bench_n}"]}
-    manifest = json.loads((folder / "data" / "manifest.json").read_text())
-    train_prompts = _prompt_texts(folder / "data")
+    manifest = json.loads((data / "manifest.json").read_text())
+    tokens, loss_tokens = _prefix_tokens(data, n)
+    train_prompts = _prompt_texts(data, n)
     rows = []
     for set_name, prompt_args in sets.items():
         for k in args.ks:
+            if set_name == "spec_bench" and k not in args.spec_bench_ks:
+                continue
             ev = folder / f"eval_{set_name}_k{k}"
             stage(folder, f"eval.{set_name}.k{k}", [target, f"head={folder / 'head' / 'final'}", *prompt_args,
                                                     "temperature=0", "drafting.mode=chain",
                                                     f"drafting.num_speculative_tokens={k}",
                                                     f"max_new_tokens={args.eval_max_new_tokens}",
                                                     f"repeats={args.repeats}", f"seed={args.seed}", "progress=false",
+                                                    "baselines=[ngram]",
                                                     "plot=false", f"out={ev}", "overwrite=true"], log)
             r = json.loads((ev / "report.json").read_text())
             rows.append({
-                "variant": variant, "prompts": n, "set": set_name, "k": k,
-                "train_samples": manifest["counts"]["samples"], "train_tokens": manifest["counts"]["tokens"],
-                "train_loss_tokens": manifest["counts"]["loss_tokens"],
+                "variant": variant, "samples": n, "set": set_name, "k": k,
+                "train_samples": n, "train_tokens": tokens, "train_loss_tokens": loss_tokens,
+                "train_seconds": train_seconds, "epochs": args.epochs, "mode": args.mode,
                 "filtered": {c: v for c, v in manifest["counts"].items() if c.startswith("filtered_")},
                 "eval_prompts": r["n_prompts"], "tau": r["tau"], "speedup": r["speedup"],
                 "break_even_tau": r["tau"] / r["speedup"] if r["speedup"] else None,
                 "per_position_acceptance": r["per_position_acceptance"],
                 "speculative_tokens_per_s": r["speculative_tokens_per_s"],
                 "target_only_tokens_per_s": r["target_only_tokens_per_s"],
+                "ngram": r.get("baselines", {}).get("ngram"),
                 "heldout_in_training": (len(_prompt_texts(heldout) & train_prompts) if set_name == "self" else 0),
             })
     return rows
 
 
-def _prompt_texts(data: Path) -> set[str]:
-    """The first user turn of every conversation of a data-gen output (for the held-out overlap check)."""
+def _prefix_tokens(data: Path, n: int) -> tuple[int, int]:
+    """(tokens, loss tokens) of the first n tokenized samples: what train_samples=n trains on."""
+    from datasets import load_from_disk
+
+    rows = load_from_disk(str(data / "tokenized"))[:n]
+    return sum(map(len, rows["input_ids"])), sum(map(sum, rows["loss_mask"]))
+
+
+def _prompt_texts(data: Path, n: int | None = None) -> set[str]:
+    """The first user turn of the first n conversations (all: None) of a data-gen output (for the held-out
+    overlap check)."""
     from draftsmith.data_gen.dataset import load_conversations
 
-    return {next(m["content"] for m in c["messages"] if m["role"] == "user") for c in load_conversations(data)}
+    return {next(m["content"] for m in c["messages"] if m["role"] == "user") for c in load_conversations(data)[:n]}
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -176,22 +201,27 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| variant | prompts | train samples | train tokens | set | K | tau | speedup | break-even tau |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | train samples | train tokens | train s | set | K | tau | speedup | break-even tau "
+             "| n-gram tau | n-gram speedup |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         be = f"{r['break_even_tau']:.2f}" if r["break_even_tau"] else "n/a"
-        lines.append(f"| {r['variant']} | {r['prompts']} | {r['train_samples']} | {r['train_tokens']} | {r['set']} | "
-                     f"{r['k']} | {r['tau']:.3f} | {r['speedup']:.3f} | {be} |")
+        ng = r.get("ngram") or {}
+        ng_tau = f"{ng['tau']:.3f}" if "tau" in ng else "n/a"
+        ng_speed = f"{ng['speedup']:.3f}" if "speedup" in ng else "n/a"
+        lines.append(f"| {r['variant']} | {r['train_samples']} | {r['train_tokens']} | {r['train_seconds']:.0f} | "
+                     f"{r['set']} | {r['k']} | {r['tau']:.3f} | {r['speedup']:.3f} | {be} | {ng_tau} | {ng_speed} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/curve"))
-    ap.add_argument("--prompts", type=int, nargs="+", default=[110, 440, 1760],
-                    help="training prompts of each point (~180 tokens each at --gen-max-new-tokens 128)")
+    ap.add_argument("--samples", type=int, nargs="+", default=[80, 240, 720],
+                    help="training samples of each point (~180 tokens each at --gen-max-new-tokens 128)")
     ap.add_argument("--variants", nargs="+", default=["plain"], choices=list(VARIANTS))
     ap.add_argument("--ks", type=int, nargs="+", default=[3, 7])
+    ap.add_argument("--spec-bench-ks", type=int, nargs="+", default=[3], help="the Ks also run on Spec-Bench")
+    ap.add_argument("--mode", default="offline", choices=["online", "offline"], help="training mode")
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--heldout", type=int, default=16, help="held-out self-written prompts")
@@ -200,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-prompt-tokens", type=int, default=64, help="self-written prompt cap (mix: twice this)")
     ap.add_argument("--gen-max-new-tokens", type=int, default=128)
     ap.add_argument("--gen-dtype", default="bfloat16")
+    ap.add_argument("--gen-batch-size", type=int, default=32, help="data-gen's backend.batch_size")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--micro-batch-size", type=int, default=1)
@@ -218,8 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     heldout = heldout_self(args, log)
     rows = []
     for variant in args.variants:
-        for n in sorted(args.prompts):
-            rows += point(args, variant, n, heldout, log)
+        data = variant_data(args, variant, log)
+        kept = json.loads((data / "manifest.json").read_text())["counts"]["samples"]
+        points = sorted({min(n, kept) for n in args.samples})
+        if points != sorted(args.samples):
+            print(f"learning curve: {variant} kept {kept} samples; points {points}", file=sys.stderr, flush=True)
+        for n in points:
+            rows += point(args, variant, data, n, heldout, log)
             # written after every point: a long run that is stopped still leaves its finished points
             result = {"target": args.target, "rows": rows, "ran": log, "seconds": round(time.perf_counter() - t0, 1),
                       "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}

@@ -4,9 +4,11 @@
     python scripts/bench_train.py --rounds 3 --steps 4 --json bench_train.json
     python scripts/bench_train.py --online             # also time draftsmith's online step (target forward included)
 
-draftsmith's step = the target distributions over the draft vocab (recomputed from the stored last hidden
-state through the frozen lm_head: work SpecForge's step does not do) + the TTT forward + backward + clip +
-AdamW, through the trainer's own wrap (deepspeed=none, one process). bf16 = the trainer's precision=bf16
+draftsmith's step = the target distributions over the draft vocab (from the stored last hidden state through
+the draft-vocab rows of the frozen lm_head, with the full-vocab argmax and logsumexp that data-gen stores
+beside it: work SpecForge's timed step does not do, it is handed the logits) + the TTT forward + backward +
+clip + AdamW, through the trainer's own wrap (deepspeed=none, one process). `--recompute-stats` times the
+step on older shards without the stored statistics (the whole lm_head then runs in the step). bf16 = the trainer's precision=bf16
 (autocast, fp32 master weights). Features are bf16, as data-gen stores them.
 
 The peer: SpecForge 0.2.0's own step, timed by ../shared/peers/specforge_step.py in the venv that
@@ -43,7 +45,7 @@ def default_peer_venv() -> Path:
 class DraftsmithStep:
     """One offline (or online) EAGLE-3 training step of draftsmith, built once, timed per call of `run`."""
 
-    def __init__(self, target, mode: str, precision: str, seq: int, ttt: int, vocab: int):
+    def __init__(self, target, mode: str, precision: str, seq: int, ttt: int, vocab: int, stored_stats: bool = True):
         from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
         from draftsmith.heads.vocab import build_vocab_map
         from draftsmith.train.config import TrainConfig
@@ -67,7 +69,10 @@ class DraftsmithStep:
         self.lm[:, seq // 4:] = 1  # the loss on the last three quarters, as the peer script's
         with torch.no_grad():
             aux, last = target.features(self.ids, self.am)
+            logits = target.logits(last).float()
         self.aux, self.last = aux.to(torch.bfloat16), last.to(torch.bfloat16)  # data-gen stores bf16
+        # data-gen stores these two beside the hidden states (data_gen/capture.py)
+        self.stats = (logits.argmax(-1), torch.logsumexp(logits, -1)) if stored_stats and mode == "offline" else ()
 
     def run(self, steps: int, warmup: int) -> float:
         """Median seconds of `steps` steps after `warmup` untimed ones."""
@@ -80,7 +85,7 @@ class DraftsmithStep:
                         aux, last = self.target.features(self.ids, self.am)
                 else:
                     aux, last = self.aux, self.last
-                tgt = self.target_head(last, self.lm.bool() & self.am.bool())  # as the trainer's prepare
+                tgt = self.target_head(last, self.lm.bool() & self.am.bool(), *self.stats)  # as the trainer's prepare
             with self.autocast(self.cfg):
                 loss, _ = self.w.model(self.ids, self.am, self.lm, aux, tgt)
             self.w.backward(loss)
@@ -130,6 +135,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="alternations draftsmith / SpecForge per setting")
     ap.add_argument("--threads", type=int, default=0, help="torch threads for both sides (0 = torch's default)")
     ap.add_argument("--online", action="store_true", help="also time draftsmith's online step")
+    ap.add_argument("--recompute-stats", action="store_true",
+                    help="offline shards without data-gen's stored argmax / logsumexp (older folders)")
     ap.add_argument("--peer-venv", default=str(default_peer_venv()))
     ap.add_argument("--peer-script", default=str(PEERS / "specforge_step.py"))
     ap.add_argument("--peer-target", default=None, help="HF folder of the target for the peer (default: found)")
@@ -147,6 +154,7 @@ def main() -> None:
     folder = Path(args.peer_target) if args.peer_target else (target_folder_of(target) if peer else None)
     result = {"target": args.target, "batch": 1, "seq": args.seq, "ttt_steps": args.ttt, "threads": threads,
               "loss_mask": "last three quarters", "rounds": args.rounds, "steps": args.steps,
+              "stored_target_stats": not args.recompute_stats,
               "peer": "specforge 0.2.0" if peer else "peer not installed", "rows": []}
     print(f"{'mode':8} {'precision':9} {'vocab':>6} {'draftsmith_s':>12} {'specforge_s':>11} {'ratio':>6}", flush=True)
 
@@ -162,7 +170,7 @@ def main() -> None:
 
     for vocab in args.vocabs:
         for prec in args.precisions:
-            step = DraftsmithStep(target, "offline", prec, args.seq, args.ttt, vocab)
+            step = DraftsmithStep(target, "offline", prec, args.seq, args.ttt, vocab, not args.recompute_stats)
             ours, theirs = [], []
             for _ in range(args.rounds):
                 ours.append(step.run(args.steps, args.warmup))

@@ -84,3 +84,15 @@ def test_best_folder_not_written_by_train_is_refused(tiny_data, tmp_path):
 def test_eval_every_needs_held_out_rows(tiny_data, tmp_path):
     with pytest.raises(DraftsmithError, match="eval_every=2 evaluates held-out rows"):
         run(_cfg(tiny_data, tmp_path / "x", val_samples=0))
+
+
+def test_train_samples_takes_a_prefix_of_the_training_rows(tiny_data, tmp_path):
+    """train_samples=N trains on the first N rows left after val_samples (learning curves): an epoch is N / batch
+    steps, the vocab map counts only those rows, and more than there are is refused with one sentence."""
+    run(_cfg(tiny_data, tmp_path / "p4", train_samples=4, max_steps=None, epochs=1, eval_every=0))
+    records = [json.loads(ln) for ln in (tmp_path / "p4/metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in records if "step" in r) == 2  # 4 rows, micro-batch 2, one epoch
+    state = json.loads(next((tmp_path / "p4/checkpoints").glob("step_*/train_state.json")).read_text())
+    assert state["compat"]["train_samples"] == 4
+    with pytest.raises(DraftsmithError, match=r"train_samples=11 but .* has 10 training samples \(after val_samples=4\)"):
+        run(_cfg(tiny_data, tmp_path / "p11", train_samples=11))

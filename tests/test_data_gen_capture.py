@@ -14,14 +14,18 @@ SEQS = [[(7 * i + j) % 250 for j in range(5 + 3 * i)] for i in range(7)]
 
 def test_features_equal_plain_forward(tiny_target):
     n = tiny_target.num_layers
-    for x, (aux, last) in zip(SEQS, features_batch(tiny_target, SEQS)):
+    for x, feats in zip(SEQS, features_batch(tiny_target, SEQS)):
+        aux, last = feats["aux"], feats["last"]
         hs = tiny_target.model(torch.tensor([x]), output_hidden_states=True).hidden_states
         ref = torch.cat([hs[2], hs[n // 2], hs[n - 3]], dim=-1)[0]
         torch.testing.assert_close(aux, ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(last, hs[n][0], rtol=1e-5, atol=1e-5)
         # last is post-norm: the target's logits come back through lm_head
-        torch.testing.assert_close(tiny_target.logits(last), tiny_target.model(torch.tensor([x])).logits[0],
-                                   rtol=1e-4, atol=1e-4)
+        logits = tiny_target.model(torch.tensor([x])).logits[0]
+        torch.testing.assert_close(tiny_target.logits(last), logits, rtol=1e-4, atol=1e-4)
+        # the stored target statistics: its argmax and logsumexp per position
+        assert feats["top"].dtype == torch.int32 and torch.equal(feats["top"].long(), logits.argmax(-1))
+        torch.testing.assert_close(feats["lse"], torch.logsumexp(logits.float(), -1), rtol=1e-5, atol=1e-5)
 
 
 def test_right_padding_equals_left_padding(tiny_target):
@@ -32,8 +36,8 @@ def test_right_padding_equals_left_padding(tiny_target):
     attn = torch.tensor([[0] * (T - len(x)) + [1] * len(x) for x in SEQS])
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     out = tiny_target.model.model(input_ids=ids, attention_mask=attn, position_ids=pos, output_hidden_states=True)
-    for r, (x, (aux, last)) in enumerate(zip(SEQS, right)):
-        torch.testing.assert_close(last, out.hidden_states[-1][r, T - len(x):], rtol=1e-4, atol=1e-4)
+    for r, (x, feats) in enumerate(zip(SEQS, right)):
+        torch.testing.assert_close(feats["last"], out.hidden_states[-1][r, T - len(x):], rtol=1e-4, atol=1e-4)
 
 
 def shard_bytes(folder):
@@ -82,11 +86,15 @@ def test_hidden_states_reader(tiny_target, tmp_path):
     hs = HiddenStates(tmp_path)
     assert len(hs) == len(SEQS)
     H = tiny_target.hidden_size
-    for i, (x, (aux_ref, last_ref)) in enumerate(zip(SEQS, features_batch(tiny_target, SEQS))):
+    assert hs.stats == ("top", "lse")
+    for i, (x, ref) in enumerate(zip(SEQS, features_batch(tiny_target, SEQS))):
         aux, last = hs[i]
         assert aux.shape == (len(x), 3 * H) and last.shape == (len(x), H) and aux.dtype == torch.bfloat16
-        torch.testing.assert_close(aux.float(), aux_ref, rtol=1e-2, atol=1e-2)  # bf16 storage
-        torch.testing.assert_close(last.float(), last_ref, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(aux.float(), ref["aux"], rtol=1e-2, atol=1e-2)  # bf16 storage
+        torch.testing.assert_close(last.float(), ref["last"], rtol=1e-2, atol=1e-2)
+        top, lse = hs.target_stats(i)  # stored as computed: int32 and float32, not rounded to bf16
+        assert top.dtype == torch.int32 and lse.dtype == torch.float32 and torch.equal(top, ref["top"])
+        torch.testing.assert_close(lse, ref["lse"], rtol=1e-6, atol=1e-6)
     with pytest.raises(IndexError):
         hs[len(SEQS)]
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.heads.eagle3 import ConcatKVCache, Eagle3Head, eagle3_config_from_target, ttt_mask
 from draftsmith.heads.vocab import build_vocab_map
-from draftsmith.train.eagle3 import STATS, SoftCE, TargetHead, eagle3_loss, summarize, ttt_unroll
+from draftsmith.train.eagle3 import STATS, SoftCE, TargetHead, eagle3_loss, summarize, ttt_spans, ttt_unroll
 
 
 def reference_unroll(head, input_ids, hidden, attention_mask, steps):
@@ -106,6 +106,35 @@ def test_loss_gradients_and_stats_equal_reference(steps):
     assert stats[0, outside] > 0
 
 
+@pytest.mark.parametrize("prompt,steps", [((6, 8), 4), ((11, 12), 5), ((13, 13), 3)])
+def test_steps_skip_prompt_indices(prompt, steps):
+    """Prompts before the loss: each TTT step computes only the indices a counted target needs
+    (`ttt_spans`), and loss, gradients and statistics still equal the reference that computes every index;
+    (11, 12): the last steps have nothing left to score; (13, 13): no target counts at all."""
+    head, input_ids, attention_mask, loss_mask, aux, tgt = _setup()
+    loss_mask[0, :prompt[0]] = 0
+    loss_mask[1, :prompt[1]] = 0
+    valid = loss_mask.bool() & attention_mask.bool()
+    spans = ttt_spans(valid, steps)
+    if valid.any():
+        assert spans[0][0] > 0  # the prompt's first indices are step-0 keys only
+    assert all(a[0] <= b[0] and b[1] <= a[1] for a, b in zip(spans, spans[1:]))  # ranges shrink
+    loss, stats = eagle3_loss(head, input_ids, attention_mask, loss_mask, aux, tgt, steps=steps)
+    if loss.requires_grad:
+        loss.backward()
+    fast_grads = {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+    head.zero_grad(set_to_none=True)
+    ref_loss, ref_stats = reference_loss(head, input_ids, attention_mask, loss_mask, aux, tgt, steps)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12)
+    for n, p in head.named_parameters():
+        if p.grad is not None and n in fast_grads:
+            torch.testing.assert_close(fast_grads[n], p.grad, rtol=1e-8, atol=1e-10, msg=n)
+        elif p.grad is not None:
+            assert not p.grad.any(), n
+    torch.testing.assert_close(stats[:, :5].double(), ref_stats, rtol=1e-5, atol=1e-5)
+
+
 def test_soft_ce_chunks_and_gradient():
     torch.manual_seed(1)
     M, V = 3 * SoftCE.CHUNK + 5, 40  # several chunks and a partial one
@@ -155,3 +184,19 @@ def test_target_side_on_the_counted_rows_only():
     for name in ("probs", "in_mass", "argmax", "argmax_in_draft"):
         torch.testing.assert_close(getattr(part, name)[rows], getattr(full, name)[rows], rtol=0, atol=0, msg=name)
         assert not getattr(part, name)[~rows].any(), name
+
+
+def test_target_side_from_stored_statistics():
+    """With data-gen's stored argmax and logsumexp (`top`, `lse`), only the draft rows of the lm_head are
+    multiplied, and the target side equals the full-vocab recompute."""
+    head, input_ids, attention_mask, loss_mask, aux, _ = _setup()
+    target = load_target(TargetConfig(name="tiny", dtype="float64"))
+    last = target.features(input_ids, attention_mask)[1]
+    logits = target.logits(last)
+    top, lse = logits.argmax(-1).to(torch.int32), torch.logsumexp(logits, -1)
+    assert not bool(torch.isin(top, torch.nonzero(head.t2d).squeeze(1)).all())  # some argmaxes outside the draft
+    rows = loss_mask.bool() & attention_mask.bool()
+    full = TargetHead(target.model.lm_head.weight, head.t2d)(last, rows)
+    stored = TargetHead(target.model.lm_head.weight, head.t2d)(last, rows, top, lse)
+    for name in ("probs", "in_mass", "argmax", "argmax_in_draft"):
+        torch.testing.assert_close(getattr(stored, name), getattr(full, name), rtol=1e-6, atol=1e-6, msg=name)  # float32 logits

@@ -55,6 +55,7 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per optimizer step
     mega_batch: int = 64  # length bucketing: sort by length within this many global batches
     val_samples: int = 0  # hold out the last N samples; evaluated at the end (and every eval_every steps)
+    train_samples: Optional[int] = None  # train on only the first N samples left after val_samples (None = all)
     # optimizer steps between held-out evaluations (needs val_samples); the best head so far by select_by is
     # kept in out/best/ (same format as out/final/). 0 = evaluate only at the end, no out/best/
     eval_every: int = 0
@@ -96,6 +97,7 @@ class TrainConfig:
                      "keep_last", "log_every"):
             checks.at_least(name, getattr(self, name), 1)
         checks.at_least("val_samples", self.val_samples, 0)
+        checks.at_least("train_samples", self.train_samples, 1, null="all")
         checks.at_least("eval_every", self.eval_every, 0)
         checks.one_of("select_by", self.select_by, ("auto", "etau_greedy", "etau_sample", "acc_0", "alpha_0"))
         if self.eval_every > 0 and self.val_samples == 0:

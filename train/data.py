@@ -121,7 +121,7 @@ def open_hidden_states(data_dir: str, num_rows: int) -> HiddenStates:
         raise DraftsmithError(f"{index} does not list a shard for every sample (shards of {per_shard} samples "
                               f"for {num}); {redo}.")
     for entry in shards:
-        problem = shard_problem(hidden.folder / entry["file"], entry)
+        problem = shard_problem(hidden.folder / entry["file"], entry, hidden.stats)
         if problem:
             raise DraftsmithError(f"the hidden-state shard {hidden.folder / entry['file']} {problem}; {redo}.")
     return hidden
@@ -148,7 +148,8 @@ def micro_batches(batch: list[int], micro_batch_size: int, rank: int, world: int
 
 
 def collate(data: TrainData, positions: list[int], device) -> dict:
-    """Right-padded tensors of one micro-batch; offline adds aux (B, T, 3H) and last (B, T, H)."""
+    """Right-padded tensors of one micro-batch; offline adds aux (B, T, 3H) and last (B, T, H), and
+    target_top / target_lse (B, T) when the shards carry them."""
     rows = [data.indices[p] for p in positions]
     T = max(len(data.input_ids[r]) for r in rows)
     B = len(rows)
@@ -170,6 +171,13 @@ def collate(data: TrainData, positions: list[int], device) -> dict:
             n = min(a.shape[0], T)
             aux[b, :n], last[b, :n] = a[:n], l[:n]
         batch["aux"], batch["last"] = aux.to(device), last.to(device)
+        if data.hidden.stats:  # the target's argmax and logsumexp per position (padding: never read)
+            top, lse = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T)
+            for b, r in enumerate(rows):
+                t, s = data.hidden.target_stats(r)
+                n = min(t.shape[0], T)
+                top[b, :n], lse[b, :n] = t[:n], s[:n]
+            batch["target_top"], batch["target_lse"] = top.to(device), lse.to(device)
     if data.topk is not None:  # (B, T, k) ids and log-probs, (B, T) tail; padding positions are never scored
         k = data.topk.k
         ids, logp, tail = torch.zeros(B, T, k, dtype=torch.int32), torch.zeros(B, T, k), torch.zeros(B, T)

@@ -17,7 +17,9 @@ So index t at step i is exactly what the drafter computes autoregressively after
 from position t (tests/test_train_eagle3.py checks this against a step-by-step decode, and
 tests/test_train_speed.py the whole step against the head's own forward with the dense mask).
 
-Only the positions that count pass the final norm, the lm_head and the loss (`SoftCE`: one pass over
+Each step runs the decoder layer only over the indices a counted target needs (`ttt_spans`: a prompt
+before the first loss-masked position is computed once, as step-0 keys), and only the positions that
+count pass the final norm, the lm_head and the loss (`SoftCE`: one pass over
 row chunks for the loss, its gradient and the statistics).
 
 Logged per step i: loss, accuracy (draft argmax mapped to target ids == target argmax) and the
@@ -39,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith import checks
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import rotate_half
 
 from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
 
@@ -83,7 +85,8 @@ class TargetHead:
     """The frozen target lm_head split into draft-vocab rows and the rest (never trained, never wrapped).
 
     Target logits over the draft vocab come from the draft rows only; the rest is used just for
-    the full-vocab argmax and normaliser, so no full-vocab tensor survives this call.
+    the full-vocab argmax and normaliser, so no full-vocab tensor survives this call. When data-gen
+    stored those two per position (`top`, `lse`: data_gen/capture.py), the rest is not multiplied at all.
     """
 
     def __init__(self, lm_head_weight: torch.Tensor, t2d: torch.Tensor):
@@ -94,11 +97,13 @@ class TargetHead:
         self.w_rest = lm_head_weight[self.rest_ids].detach()  # (V - Vd, H)
 
     @torch.no_grad()
-    def __call__(self, last_hidden: torch.Tensor, rows: Optional[torch.Tensor] = None) -> TargetSide:
+    def __call__(self, last_hidden: torch.Tensor, rows: Optional[torch.Tensor] = None,
+                 top: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None) -> TargetSide:
         """last_hidden (B, T, H): the target's post-final-norm hidden state. `rows` (B, T) bool: compute only
-        these positions (the losses read no other); the others are left zero (argmax 0, not in the draft vocab)."""
+        these positions (the losses read no other); the others are left zero (argmax 0, not in the draft vocab).
+        top / lse (B, T): the target's full-vocab argmax and logsumexp, when stored."""
         if rows is not None:
-            part = self(last_hidden[rows])  # (N, ...) for the N positions asked for
+            part = self(last_hidden[rows], None, *((top[rows], lse[rows]) if top is not None else ()))
             B, T = rows.shape
             probs = part.probs.new_zeros(B, T, part.probs.shape[-1])
             in_mass, argmax = part.in_mass.new_zeros(B, T), part.argmax.new_zeros(B, T)
@@ -110,6 +115,10 @@ class TargetHead:
         draft_logits = (x @ self.w_draft.T).float()  # (B, T, Vd)
         lse_draft = torch.logsumexp(draft_logits, dim=-1)
         best_draft, best_draft_i = draft_logits.max(dim=-1)
+        if top is not None:  # stored: from the unrounded hidden state, so the draft part's mass is capped at 1
+            in_draft = torch.isin(top, self.draft_ids)
+            probs = torch.softmax(draft_logits, dim=-1)
+            return TargetSide(probs, torch.exp(lse_draft - lse.float()).clamp(max=1.0), top.long(), in_draft)
         if self.rest_ids.numel():
             rest_logits = (x @ self.w_rest.T).float()  # (B, T, V - Vd)
             lse_full = torch.logaddexp(lse_draft, torch.logsumexp(rest_logits, dim=-1))
@@ -122,9 +131,30 @@ class TargetHead:
         return TargetSide(probs, torch.exp(lse_draft - lse_full), argmax, in_draft)
 
 
+def ttt_spans(valid: torch.Tensor, steps: int) -> list[tuple[int, int]]:
+    """For each TTT step i, the index range [lo, hi) the step must compute, given valid (B, T) = the
+    positions whose target counts: index t of step i is needed when a target t+1+j, j >= i, counts (its
+    own or a later step's draft from t is trained). The ranges shrink with i, so each step's later-step
+    keys cover the next step's queries. Indices before the first loss-masked position (a prompt) are
+    computed only as step-0 keys: that is the saving."""
+    B, T = valid.shape
+    spans, need = [], torch.zeros(T, dtype=torch.bool, device=valid.device)
+    for k in range(steps, 0, -1):  # need_i = need_{i+1} | the targets of step i (k = 1 + i)
+        need = need | F.pad(valid[:, k:], (0, min(k, T))).any(0)
+        where = torch.nonzero(need).squeeze(1)
+        spans.append((int(where[0]), int(where[-1]) + 1) if where.numel() else None)
+    spans.reverse()
+    lo = 0
+    for i, span in enumerate(spans):  # an empty step: an empty range inside the previous one
+        spans[i] = span if span is not None else (lo, lo)
+        lo = spans[i][0]
+    return spans
+
+
 def ttt_hidden(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Tensor,
-               attention_mask: torch.Tensor, steps: int):
-    """Yield the pre-norm hidden (B, T, H) of each TTT step; index t of step i drafts x_{t+2+i}.
+               attention_mask: torch.Tensor, steps: int, spans: Optional[list[tuple[int, int]]] = None):
+    """Yield the pre-norm hidden (B, hi - lo, H) of each TTT step over its index range [lo, hi) from `spans`
+    (`ttt_spans`; default every index); index t of step i drafts x_{t+2+i}.
 
     input_ids (B, T) right-padded, hidden (B, T, H) = head.fuse(aux), attention_mask (B, T).
 
@@ -132,50 +162,66 @@ def ttt_hidden(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Tensor,
     per step (tests/test_train_speed.py checks it in float64), without the dense (T, (i+1)T) mask:
     the step-0 keys are scored as one causal (T, T) block and each later step's key only against its
     own index (a dot product per position), then one softmax over the T + i scores of each query.
+    Index t of step i reads only index t of the earlier steps and the step-0 keys up to t, so a step
+    computes just its range (and step 0 the keys and values of every index before its range's end).
     The embeddings, their norm and the rotary tables of all steps are computed once and sliced.
     """
     B, T = input_ids.shape
+    spans = spans if spans is not None else [(0, T)] * steps
     layer = head.midlayer
     ext = F.pad(input_ids[:, 1:], (0, steps))  # step i, index t reads ext[t + i] = x_{t+1+i} (0 past the end)
     emb = layer.input_layernorm(head.embed_tokens(ext).to(hidden.dtype))  # (B, T-1+steps, H)
     positions = torch.arange(T - 1 + steps, device=input_ids.device)[None].expand(B, -1)
     cos_all, sin_all = head.rotary_emb(hidden, positions)
-    causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
-    step0_ok = (causal & attention_mask.bool()[:, None, :])[:, None, None]  # (B, 1, 1, T, T)
-    keys, values = [], []
-    for i in range(steps):
-        x = torch.cat([emb[:, i:i + T], layer.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
-        attn = ttt_attention(layer.self_attn, x, cos_all[:, i:i + T], sin_all[:, i:i + T], keys, values, step0_ok)
-        h = hidden + attn
+    end = spans[0][1]  # no query of any step lies at or past step 0's range end
+    causal = torch.ones(T, end, dtype=torch.bool, device=input_ids.device).tril()
+    step0_ok = (causal & attention_mask.bool()[:, None, :end])[:, None, None]  # (B, 1, 1, T, end)
+    keys, values, los = [], [], []
+    x0 = torch.cat([emb[:, :end], layer.hidden_norm(hidden[:, :end])], dim=-1)  # step 0's input, (B, end, 2H)
+    prev_lo = 0
+    for i, (lo, hi) in enumerate(spans):
+        h_in = hidden[:, lo - prev_lo:hi - prev_lo]  # this range of the previous step's output (or of fc(f))
+        x = x0[:, lo:hi] if i == 0 else torch.cat([emb[:, i + lo:i + hi], layer.hidden_norm(h_in)], dim=-1)
+        attn = ttt_attention(layer.self_attn, x, cos_all[:, i + lo:i + hi], sin_all[:, i + lo:i + hi], keys, values,
+                             los, lo, step0_ok[..., lo:hi, :], x0 if i == 0 else None, cos_all[:, :end], sin_all[:, :end])
+        h = h_in + attn
         hidden = h + layer.mlp(layer.post_attention_layernorm(h))
+        prev_lo = lo
         yield hidden
 
 
 def ttt_attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list, values: list,
-                  step0_ok: torch.Tensor) -> torch.Tensor:
-    """Attention of one TTT step (appends this step's k, v to `keys` / `values`): query t sees the step-0
-    keys allowed by `step0_ok` and, in each later step, the key of its own index t.
+                  los: list, lo: int, step0_ok: torch.Tensor, x0: Optional[torch.Tensor] = None,
+                  cos0: Optional[torch.Tensor] = None, sin0: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention of one TTT step over the query indices [lo, lo + len(x)) (appends this step's k, v and lo
+    to `keys` / `values` / `los`): query t sees the step-0 keys allowed by `step0_ok` and, in each later
+    step, the key of its own index t. Step 0 passes x0, its input at every index from 0, for its keys.
 
     Scores, softmax and the weighted sum run in at least float32 with autocast off (they are small:
     (T, T + i) per head), so bf16 training rounds only the projections."""
     B, T, _ = x.shape
     nh, nkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
     q = attn.q_proj(x).view(B, T, nh, d).transpose(1, 2)  # (B, nh, T, d)
-    k = attn.k_proj(x).view(B, T, nkv, d).transpose(1, 2)  # (B, nkv, T, d)
-    v = attn.v_proj(x).view(B, T, nkv, d).transpose(1, 2)
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    kv_in, kv_cos, kv_sin = (x0, cos0, sin0) if x0 is not None else (x, cos, sin)
+    k = attn.k_proj(kv_in).view(B, -1, nkv, d).transpose(1, 2)  # (B, nkv, T or end, d)
+    v = attn.v_proj(kv_in).view(B, -1, nkv, d).transpose(1, 2)
+    q = q * cos[:, None] + rotate_half(q) * sin[:, None]
+    k = k * kv_cos[:, None] + rotate_half(k) * kv_sin[:, None]
     acc = torch.promote_types(q.dtype, torch.float32)
     keys.append(k.to(acc))
     values.append(v.to(acc))
+    los.append(0 if x0 is not None else lo)
     with torch.autocast(device_type=x.device.type, enabled=False):
         # head h reads kv head h // rep (repeat_interleave's order): group the query heads by kv head
         qg = q.to(acc).reshape(B, nkv, nh // nkv, T, d) * d ** -0.5  # (B, nkv, rep, T, d)
-        s0 = (qg @ keys[0][:, :, None].transpose(-1, -2)).masked_fill(~step0_ok, float("-inf"))  # (B, nkv, rep, T, T)
-        later = [(qg * kj[:, :, None]).sum(-1, keepdim=True) for kj in keys[1:]]  # each (B, nkv, rep, T, 1)
+        s0 = (qg @ keys[0][:, :, None].transpose(-1, -2)).masked_fill(~step0_ok, float("-inf"))  # (B, nkv, rep, T, end)
+        own = [slice(lo - lj, lo - lj + T) for lj in los[1:]]  # this range inside each later step's range
+        later = [(qg * kj[:, :, None, o]).sum(-1, keepdim=True) for kj, o in zip(keys[1:], own)]  # (B, nkv, rep, T, 1)
+        n0 = s0.shape[-1]
         w = torch.softmax(torch.cat([s0, *later], dim=-1), dim=-1)
-        y = w[..., :T] @ values[0][:, :, None]  # (B, nkv, rep, T, d)
-        for j, vj in enumerate(values[1:]):
-            y = y + w[..., T + j:T + j + 1] * vj[:, :, None]
+        y = w[..., :n0] @ values[0][:, :, None]  # (B, nkv, rep, T, d)
+        for j, (vj, o) in enumerate(zip(values[1:], own)):
+            y = y + w[..., n0 + j:n0 + j + 1] * vj[:, :, None, o]
     y = y.reshape(B, nh, T, d).transpose(1, 2).reshape(B, T, nh * d).to(x.dtype)
     return attn.o_proj(y)
 
@@ -248,11 +294,12 @@ def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, attention_mask: torch
     chain_correct = torch.ones(B, T, dtype=acc, device=input_ids.device)  # prod of [draft argmax right] so far
     chain_alpha = torch.ones(B, T, dtype=acc, device=input_ids.device)  # prod of alpha so far
     stats = []
-    for i, h in enumerate(ttt_hidden(head, input_ids, hidden, attention_mask, steps)):
+    spans = ttt_spans(valid, steps)
+    for i, h in enumerate(ttt_hidden(head, input_ids, hidden, attention_mask, steps, spans)):
         k = 1 + i  # index t is scored against the target at position t + k
         m_metric = F.pad(valid[:, k:], (0, min(k, T)))  # (B, T): index t's target counts
-        b_idx, t_idx = torch.nonzero(m_metric, as_tuple=True)  # (M,) the rows that count
-        logits = head.lm_head(head.norm(h[b_idx, t_idx]))  # (M, Vd)
+        b_idx, t_idx = torch.nonzero(m_metric, as_tuple=True)  # (M,) the rows that count, inside step i's span
+        logits = head.lm_head(head.norm(h[b_idx, t_idx - spans[i][0]]))  # (M, Vd)
         p = target.probs[b_idx, t_idx + k]  # (M, Vd)
         in_draft = target.argmax_in_draft[b_idx, t_idx + k]  # (M,) the loss's rows
         ce, top, alpha = SoftCE.apply(logits, p, target.in_mass[b_idx, t_idx + k])
@@ -362,7 +409,8 @@ def target_prepare(t2d: torch.Tensor, target, mode: str, autocast: Callable) -> 
             else:
                 aux, last = batch.pop("aux"), batch.pop("last")
             batch.pop("last", None)
+            stored = (batch.pop("target_top", None), batch.pop("target_lse", None))  # offline, when data-gen stored them
             counted = batch["loss_mask"].bool() & batch["attention_mask"].bool()  # the only positions a loss reads
-            return {**batch, "aux": aux, "target": target_head(last, counted)}
+            return {**batch, "aux": aux, "target": target_head(last, counted, *stored if features is None else ())}
 
     return prepare

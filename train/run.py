@@ -164,6 +164,11 @@ def run(cfg) -> dict:
     target = load_target(cfg.target)
     identity = target.identity()
     train, val, mode = load_data(cfg.data, identity, cfg.mode, cfg.max_length, cfg.val_samples, method.offline_data)
+    if cfg.train_samples is not None:  # a prefix of the training rows (learning curves; the held-out rows stay)
+        if cfg.train_samples > len(train.indices):
+            raise DraftsmithError(f"train_samples={cfg.train_samples} but {cfg.data} has {len(train.indices)} training "
+                                  f"samples (after val_samples={cfg.val_samples}).")
+        train.indices = train.indices[:cfg.train_samples]
     total_steps = total_steps_of(cfg, len(train.indices), world)
     compat = compat_fields(cfg, identity, world, len(train.indices), total_steps)
 
