@@ -150,6 +150,10 @@ def point(args, variant: str, data: Path, n: int, heldout: Path, log: list) -> l
     return rows
 
 
+def _row_key(row: dict) -> tuple:
+    return row["variant"], row["samples"], row["set"], row["k"]
+
+
 def _prefix_tokens(data: Path, n: int) -> tuple[int, int]:
     """(tokens, loss tokens) of the first n tokenized samples: what train_samples=n trains on."""
     from datasets import load_from_disk
@@ -163,7 +167,10 @@ def _prompt_texts(data: Path, n: int | None = None) -> set[str]:
     overlap check)."""
     from draftsmith.data_gen.dataset import load_conversations
 
-    return {next(m["content"] for m in c["messages"] if m["role"] == "user") for c in load_conversations(data)[:n]}
+    conversations = load_conversations(data)
+    if n is not None:
+        conversations = conversations.select(range(min(n, len(conversations))))
+    return {next(m["content"] for m in c["messages"] if m["role"] == "user") for c in conversations}
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -247,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     log: list = []
     t0 = time.perf_counter()
     heldout = heldout_self(args, log)
+    # rows of earlier runs into the same --out (other variants or points) stay in the table
+    previous = args.out / "learning_curve.json"
+    kept_rows = json.loads(previous.read_text())["rows"] if previous.is_file() else []
     rows = []
     for variant in args.variants:
         data = variant_data(args, variant, log)
@@ -256,12 +266,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"learning curve: {variant} kept {kept} samples; points {points}", file=sys.stderr, flush=True)
         for n in points:
             rows += point(args, variant, data, n, heldout, log)
+            new = {_row_key(r) for r in rows}
+            merged = sorted([r for r in kept_rows if _row_key(r) not in new] + rows, key=_row_key)
             # written after every point: a long run that is stopped still leaves its finished points
-            result = {"target": args.target, "rows": rows, "ran": log, "seconds": round(time.perf_counter() - t0, 1),
+            result = {"target": args.target, "rows": merged, "ran": log, "seconds": round(time.perf_counter() - t0, 1),
                       "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
             atomic_write_json(args.out / "learning_curve.json", result)
-            plot(rows, args.out / "learning_curve.png")
-            text = table(rows)
+            plot(merged, args.out / "learning_curve.png")
+            text = table(merged)
             atomic_write_bytes(args.out / "learning_curve.md", (text + "\n").encode())
     print(text)
     print(f"-> {args.out / 'learning_curve.json'}, {args.out / 'learning_curve.png'} ({result['seconds']} s)")

@@ -1,12 +1,13 @@
 """`draftsmith demo`: data-gen -> EAGLE-3 training -> eval on the embedded SmolLM2, on a laptop CPU.
 
     draftsmith demo                      # ~20 minutes on 2 CPU cores; out=runs/demo
+    draftsmith demo flavour=smollm2-long # ~26 minutes: the learning curve's largest point
     draftsmith demo flavour=tiny         # the random tiny target, a few steps: CI, < 1 minute
 
 Stages and their folders under `out/`:
-  data/  `draftsmith data-gen prompts=self`: the target writes n_prompts + eval_prompts questions
-         and answers them (batched bf16 generation);
-  head/  `draftsmith train method=eagle3 val_samples=eval_prompts`: online EAGLE-3 training on all
+  data/  `draftsmith data-gen prompts=self hidden_states=true`: the target writes n_prompts + eval_prompts
+         questions and answers them (batched bf16 generation), then its features are captured once;
+  head/  `draftsmith train method=eagle3 mode=offline val_samples=eval_prompts`: EAGLE-3 training on all
          rows but the last `eval_prompts` (out/head/final is the head);
   eval/  `draftsmith eval prompts.source=holdout prompts.holdout=eval_prompts`: the held-out rows'
          prompts, temperature 0, chain drafting, against target-only decoding.
@@ -37,24 +38,29 @@ from draftsmith.artifacts import atomic_write_bytes, atomic_write_json
 
 # Sizes of each flavour; a DemoConfig knob left at None takes its flavour's value.
 FLAVOURS = {
-    # Sized from the design figures (batched bf16 generation ~200 tok/s, an EAGLE-3 step at draft vocab
-    # 8192 ~0.5 s in bf16 plus the online target forward) to fit ~20 minutes on 2 CPU cores:
-    # data-gen ~5 min (~170 x (64 + 128) tokens), training ~7 min, eval ~3 min. Not yet timed end to end
-    # on an idle machine: adjust n_prompts / train_steps if your CPU is slower.
-    "smollm2": dict(target="smollm2", n_prompts=160, max_prompt_tokens=64, eval_prompts=10, gen_max_new_tokens=128,
-                    train_steps=600,
-                    lr=1e-3, draft_vocab_size=8192, max_length=384, train_precision="bf16",
-                    eval_max_new_tokens=96, repeats=1),
+    # Sized from the measured learning curve (scripts/bench_learning_curve.py, README "Learning curve") to
+    # fit ~20 minutes on 2 idle CPU cores: data-gen ~1.2 s per sample at batch 32 in bf16 (writing the prompt,
+    # answering it, capturing its features), an offline bf16 training step ~0.38 s, eval ~2.5 min.
+    # 480 samples seen twice; adjust n_prompts / train_steps if your CPU is slower.
+    "smollm2": dict(target="smollm2", n_prompts=480, max_prompt_tokens=64, eval_prompts=10, gen_max_new_tokens=128,
+                    train_steps=960,
+                    lr=1e-3, draft_vocab_size=8192, max_length=384, train_precision="bf16", train_mode="offline",
+                    gen_batch_size=32, eval_max_new_tokens=96, repeats=1),
+    # The learning curve's largest point as a demo (~26 minutes on 2 cores): 720 samples seen twice.
+    "smollm2-long": dict(target="smollm2", n_prompts=720, max_prompt_tokens=64, eval_prompts=10,
+                         gen_max_new_tokens=128, train_steps=1440,
+                         lr=1e-3, draft_vocab_size=8192, max_length=384, train_precision="bf16", train_mode="offline",
+                         gen_batch_size=32, eval_max_new_tokens=96, repeats=1),
     # The random tiny target: the whole pipeline in well under a minute, for CI.
     "tiny": dict(target="tiny", n_prompts=6, max_prompt_tokens=16, eval_prompts=2, gen_max_new_tokens=8, train_steps=3,
-                 lr=1e-3, draft_vocab_size=128, max_length=128, train_precision="fp32",
-                 eval_max_new_tokens=12, repeats=1),
+                 lr=1e-3, draft_vocab_size=128, max_length=128, train_precision="fp32", train_mode="offline",
+                 gen_batch_size=4, eval_max_new_tokens=12, repeats=1),
 }
 
 
 @dataclass
 class DemoConfig:
-    flavour: str = "smollm2"  # smollm2 | tiny (sizes below default to the flavour's)
+    flavour: str = "smollm2"  # smollm2 | smollm2-long | tiny (sizes below default to the flavour's)
     out: str = "runs/demo"  # output folder: data/, head/, eval/
     overwrite: bool = False  # true: use an out folder (and data/, head/, eval/ in it) the demo did not make
     seed: int = 0  # of every stage
@@ -67,6 +73,8 @@ class DemoConfig:
     draft_vocab_size: Optional[int] = None  # the head's draft vocabulary
     max_length: Optional[int] = None  # training sequence length
     train_precision: Optional[str] = None  # fp32 | bf16
+    train_mode: Optional[str] = None  # offline (data-gen captures the target's features once) | online
+    gen_batch_size: Optional[int] = None  # data-gen's backend.batch_size (rows decoded together)
     eval_max_new_tokens: Optional[int] = None  # answer length in eval
     repeats: Optional[int] = None  # eval timing repeats
     num_speculative_tokens: int = 3  # few: a demo-sized head accepts little past the first draft
@@ -78,11 +86,13 @@ class DemoConfig:
         checks.one_of("flavour", self.flavour, FLAVOURS)
         checks.at_least("n_prompts", self.n_prompts, 2, null="the flavour's")
         for name in ("max_prompt_tokens", "eval_prompts", "gen_max_new_tokens", "train_steps", "draft_vocab_size",
-                     "max_length", "eval_max_new_tokens", "repeats"):
+                     "max_length", "eval_max_new_tokens", "repeats", "gen_batch_size"):
             checks.at_least(name, getattr(self, name), 1, null="the flavour's")
         checks.positive("lr", self.lr, null="the flavour's")
         if self.train_precision is not None:
             checks.one_of("train_precision", self.train_precision, ("fp32", "bf16"))
+        if self.train_mode is not None:
+            checks.one_of("train_mode", self.train_mode, ("offline", "online"))
         checks.in_range("num_speculative_tokens", self.num_speculative_tokens, 1, 64)
 
 
@@ -107,8 +117,9 @@ def stage_overrides(cfg, s: dict, out: Path) -> dict[str, list[str]]:
         "data_gen": [target, "prompts=self", f"prompts.n={s['n_prompts'] + s['eval_prompts']}",
                      f"prompts.seed={cfg.seed}", f"prompts.max_prompt_tokens={s['max_prompt_tokens']}", f"seed={cfg.seed}", f"max_new_tokens={s['gen_max_new_tokens']}",
                      "target.dtype=bfloat16" if s["target"] == "smollm2" else "target.dtype=float32",
-                     f"out={out / 'data'}"],
-        "train": ["method=eagle3", target, f"data={out / 'data'}", f"out={out / 'head'}", "mode=online",
+                     f"backend.batch_size={s['gen_batch_size']}", f"regenerate_chunk={4 * s['gen_batch_size']}",
+                     f"hidden_states={str(s['train_mode'] == 'offline').lower()}", f"out={out / 'data'}"],
+        "train": ["method=eagle3", target, f"data={out / 'data'}", f"out={out / 'head'}", f"mode={s['train_mode']}",
                   "deepspeed=none",  # one process on CPU: plain torch
                   f"max_steps={s['train_steps']}", f"lr={s['lr']}", "warmup_ratio=0.05",
                   f"method.draft_vocab_size={s['draft_vocab_size']}", f"max_length={s['max_length']}",

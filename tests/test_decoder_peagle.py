@@ -173,7 +173,8 @@ def _sampled_pvalue(sampling):
     counts = torch.zeros(SAMPLING_V ** 2, dtype=torch.float64)
     accepted = 0
     for _ in range(N_RUNS):
-        res = speculative_generate(runner, proposer, PROMPT, 3, sampling, DraftingConfig("chain", 2), [], generator=g)
+        # 4 tokens, scored on the 2nd and 3rd: the K=2 cycle after the prefill's x1 drafts both x2 and x3
+        res = speculative_generate(runner, proposer, PROMPT, 4, sampling, DraftingConfig("chain", 2), [], generator=g)
         counts[res.tokens[1] * SAMPLING_V + res.tokens[2]] += 1
         accepted += sum(res.accepted_per_position)
     assert 0 < accepted  # drafts were accepted and rejected: the rule ran both ways

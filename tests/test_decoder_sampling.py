@@ -69,7 +69,9 @@ def _empirical(runner, proposer, sampling, drafting, seed=0):
     g = torch.Generator().manual_seed(seed)
     counts = torch.zeros(V * V, dtype=torch.float64)
     for _ in range(N_RUNS):
-        toks = speculative_generate(runner, proposer, PROMPT, 3, sampling, drafting, [], generator=g).tokens
+        # 4 tokens, scored on the 2nd and 3rd: after the prefill's x1 a K=2 cycle drafts x2 and x3 and both
+        # draft positions are verified (with 3 tokens the last cycle's chain would be cut to one draft)
+        toks = speculative_generate(runner, proposer, PROMPT, 4, sampling, drafting, [], generator=g).tokens
         counts[toks[1] * V + toks[2]] += 1
     return counts
 
