@@ -194,10 +194,15 @@ def plot(rows: list[dict], path: Path) -> None:
                 if be:  # the drafting cost barely moves with training: one line per (variant, K), its median
                     ax.axhline(sorted(be)[len(be) // 2], color=f"C{c}", linestyle=["--", ":"][j % 2], linewidth=1,
                                label=f"{variant} K={k} break-even")
+                ng = [r["ngram"]["speedup"] * r["break_even_tau"] for r in line
+                      if r.get("ngram") and r["break_even_tau"] and c == 0]
+                if ng:  # the tau at which this head would be as fast as n-gram lookup on the same prompts
+                    ax.axhline(sorted(ng)[len(ng) // 2], color="grey", linestyle=["--", ":"][j % 2], linewidth=1,
+                               label=f"K={k}: tau to match n-gram's speed")
         ax.set_xscale("log")
         ax.set_xlabel("training tokens (self-generated)")
         ax.set_ylabel("tau (T=0, chain)")
-        ax.set_title(f"held-out: {set_name} (dashed: break-even tau)")
+        ax.set_title(f"held-out: {set_name}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
