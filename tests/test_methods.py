@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from draftsmith import DraftsmithError, methods

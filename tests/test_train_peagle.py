@@ -101,7 +101,7 @@ def test_depth_sampling_rules():
             assert at_d == sorted(at_d)
             previous = set(at_d)
     # full valid rows keep exactly floor(ratio * n_d) while there are enough candidates
-    a0, d0 = slots.anchor[0][slots.real[0]], slots.depth[0][slots.real[0]]
+    d0 = slots.depth[0][slots.real[0]]
     assert int((d0 == 1).sum()) == math.floor(0.7 * (T - 2))
     assert int((d0 == 2).sum()) == math.floor(0.49 * (T - 3))
 
