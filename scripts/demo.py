@@ -1,7 +1,7 @@
 """`draftsmith demo`: data-gen -> EAGLE-3 training -> eval on the embedded SmolLM2, on a laptop CPU.
 
     draftsmith demo                      # ~20 minutes on 2 CPU cores; out=runs/demo
-    draftsmith demo flavour=smollm2-long # ~26 minutes: the learning curve's largest point
+    draftsmith demo flavour=smollm2-long # ~25 minutes (estimated): the learning curve's largest point
     draftsmith demo flavour=tiny         # the random tiny target, a few steps: CI, < 1 minute
 
 Stages and their folders under `out/`:
@@ -39,16 +39,17 @@ from draftsmith.artifacts import atomic_write_bytes, atomic_write_json
 # Sizes of each flavour; a DemoConfig knob left at None takes its flavour's value.
 FLAVOURS = {
     # Sized from the measured learning curve (scripts/bench_learning_curve.py, README "Learning curve") to
-    # fit ~20 minutes on 2 idle CPU cores: data-gen ~1.2 s per sample at batch 32 in bf16 (writing the prompt,
-    # answering it, capturing its features), an offline bf16 training step ~0.38 s, eval ~2.5 min.
+    # fit 20 minutes on 2 idle CPU cores: data-gen ~1.05 s per sample at batch 32 in bf16 (writing the prompt,
+    # answering it, capturing its features), an offline bf16 training step ~0.41 s, eval ~2.5 min; measured
+    # end to end: 17 min 36 s.
     # 480 samples seen twice; adjust n_prompts / train_steps if your CPU is slower. lr 3e-3: the best held-out
     # E[tau] per minute of training among 3e-4 / 1e-3 / 3e-3 (scripts/bench_sample_efficiency.py).
     "smollm2": dict(target="smollm2", n_prompts=480, max_prompt_tokens=64, eval_prompts=10, gen_max_new_tokens=128,
                     train_steps=960,
                     lr=3e-3, draft_vocab_size=8192, max_length=384, train_precision="bf16", train_mode="offline",
                     gen_batch_size=32, eval_max_new_tokens=96, repeats=1),
-    # The learning curve's largest point as a demo (~26 minutes on 2 cores): 720 samples seen twice, lr 1e-3 as
-    # the curve was measured.
+    # The learning curve's largest point as a demo: 720 samples seen twice, lr 1e-3 as the curve was measured
+    # (~25 minutes on 2 cores, estimated from the smollm2 flavour's measured stage rates).
     "smollm2-long": dict(target="smollm2", n_prompts=720, max_prompt_tokens=64, eval_prompts=10,
                          gen_max_new_tokens=128, train_steps=1440,
                          lr=1e-3, draft_vocab_size=8192, max_length=384, train_precision="bf16", train_mode="offline",
