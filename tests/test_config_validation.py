@@ -73,7 +73,7 @@ REFUSED = [
     ("export", ["format=bogus"], "format=bogus is not one of eagle3, speculators"),
     ("export", ["dtype=bogus"], "dtype=bogus is not one of"),
     ("export", ["speculative_tokens=0"], "speculative_tokens=0 must be at least 1"),
-    ("demo", ["flavour=bogus"], "flavour=bogus is not one of smollm2, tiny"),
+    ("demo", ["flavour=bogus"], "flavour=bogus is not one of smollm2, smollm2-long, tiny"),
     ("demo", ["train_steps=0"], "train_steps=0 must be at least 1"),
     ("demo", ["num_speculative_tokens=0"], "num_speculative_tokens=0 must be in [1, 64]"),
     # keys and types
