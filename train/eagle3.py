@@ -114,11 +114,11 @@ class TargetHead:
         x = last_hidden.to(self.w_draft.dtype)
         draft_logits = (x @ self.w_draft.T).float()  # (B, T, Vd)
         lse_draft = torch.logsumexp(draft_logits, dim=-1)
-        best_draft, best_draft_i = draft_logits.max(dim=-1)
+        probs = torch.softmax(draft_logits, dim=-1)
         if top is not None:  # stored: from the unrounded hidden state, so the draft part's mass is capped at 1
             in_draft = torch.isin(top, self.draft_ids)
-            probs = torch.softmax(draft_logits, dim=-1)
             return TargetSide(probs, torch.exp(lse_draft - lse.float()).clamp(max=1.0), top.long(), in_draft)
+        best_draft, best_draft_i = draft_logits.max(dim=-1)
         if self.rest_ids.numel():
             rest_logits = (x @ self.w_rest.T).float()  # (B, T, V - Vd)
             lse_full = torch.logaddexp(lse_draft, torch.logsumexp(rest_logits, dim=-1))
@@ -127,7 +127,6 @@ class TargetHead:
             argmax = torch.where(in_draft, self.draft_ids[best_draft_i], self.rest_ids[best_rest_i])
         else:
             lse_full, in_draft, argmax = lse_draft, torch.ones_like(lse_draft, dtype=torch.bool), self.draft_ids[best_draft_i]
-        probs = torch.softmax(draft_logits, dim=-1)
         return TargetSide(probs, torch.exp(lse_draft - lse_full), argmax, in_draft)
 
 
@@ -410,7 +409,8 @@ def target_prepare(t2d: torch.Tensor, target, mode: str, autocast: Callable) -> 
                 aux, last = batch.pop("aux"), batch.pop("last")
             batch.pop("last", None)
             stored = (batch.pop("target_top", None), batch.pop("target_lse", None))  # offline, when data-gen stored them
+            # (online batches carry neither: (None, None) = recompute from the full lm_head)
             counted = batch["loss_mask"].bool() & batch["attention_mask"].bool()  # the only positions a loss reads
-            return {**batch, "aux": aux, "target": target_head(last, counted, *stored if features is None else ())}
+            return {**batch, "aux": aux, "target": target_head(last, counted, *stored)}
 
     return prepare
