@@ -184,21 +184,26 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax, set_name in zip(axes[0], sets):
         mine = [r for r in rows if r["set"] == set_name]
         ks = sorted({r["k"] for r in mine})
-        for c, variant in enumerate(dict.fromkeys(r["variant"] for r in mine)):  # colour: variant; marker: K
+        variants = sorted({r["variant"] for r in mine}, key=lambda v: (v != "plain", v))  # plain first: C0
+        for c, variant in enumerate(variants):  # colour: variant; marker and line style: K
             for j, k in enumerate(ks):
                 line = sorted((r for r in mine if r["variant"] == variant and r["k"] == k), key=lambda r: r["train_tokens"])
-                x = [r["train_tokens"] for r in line]
-                ax.plot(x, [r["tau"] for r in line], color=f"C{c}", marker="os^vD"[j % 5],
-                        linestyle=["-", "-."][j % 2], label=f"{variant} K={k}")
-                be = [r["break_even_tau"] for r in line if r["break_even_tau"]]
-                if be:  # the drafting cost barely moves with training: one line per (variant, K), its median
-                    ax.axhline(sorted(be)[len(be) // 2], color=f"C{c}", linestyle=["--", ":"][j % 2], linewidth=1,
-                               label=f"{variant} K={k} break-even")
-                ng = [r["ngram"]["speedup"] * r["break_even_tau"] for r in line
-                      if r.get("ngram") and r["break_even_tau"] and c == 0]
-                if ng:  # the tau at which this head would be as fast as n-gram lookup on the same prompts
-                    ax.axhline(sorted(ng)[len(ng) // 2], color="grey", linestyle=["--", ":"][j % 2], linewidth=1,
-                               label=f"K={k}: tau to match n-gram's speed")
+                if line:
+                    ax.plot([r["train_tokens"] for r in line], [r["tau"] for r in line], color=f"C{c}",
+                            marker="os^vD"[j % 5], linestyle=["-", "-."][j % 2], label=f"{variant} K={k}")
+        for j, k in enumerate(ks):
+            # The drafting cost does not depend on the data a head saw: one break-even line per K (the median
+            # over every head of this set), and the tau at which a head would be as fast as n-gram lookup on
+            # the same prompts (n-gram's speedup x break-even tau).
+            at_k = [r for r in mine if r["k"] == k and r["break_even_tau"]]
+            be = sorted(r["break_even_tau"] for r in at_k)
+            ng = sorted(r["ngram"]["speedup"] * r["break_even_tau"] for r in at_k if r.get("ngram"))
+            if be:
+                ax.axhline(be[len(be) // 2], color="black", linestyle=["--", ":"][j % 2], linewidth=1,
+                           label=f"K={k} break-even")
+            if ng:
+                ax.axhline(ng[len(ng) // 2], color="grey", linestyle=["--", ":"][j % 2], linewidth=1,
+                           label=f"K={k}: tau to match n-gram's speed")
         ax.set_xscale("log")
         ax.set_xlabel("training tokens (self-generated)")
         ax.set_ylabel("tau (T=0, chain)")
