@@ -147,28 +147,30 @@ ENGINE_METHODS = {"eagle3": ("eagle3", "EAGLE3"), "peagle": ("eagle3", None), "d
 
 def serving_settings(method: str, target_model: str, head_path: Optional[str], k: int, mode: str = "chain",
                      tree_top_k: int = 1, tree_size: Optional[int] = None, ngram_min: int = 1,
-                     ngram_max: int = 3) -> dict:
+                     ngram_max: int = 3, line_break: bool = False) -> dict:
     """vLLM's --speculative-config and SGLang's --speculative-* flags for `method` at draft length `k`.
 
-    Tree drafting (tree_size = the tree budget) maps to SGLang's topk / num-draft-tokens (the root counted, as
-    SGLang and heads/publish.py do); vLLM gets
-    the chain of the same depth. A method an engine cannot serve gets None and a reason."""
+    The one place that knows the engines' flags: eval's report and publish's model card both call it
+    (`line_break=True`: one flag per line, for the card). Tree drafting (tree_size = the tree budget) maps to
+    SGLang's topk / num-draft-tokens (the root counted, as SGLang does); vLLM gets the chain of the same depth.
+    A method an engine cannot serve gets None and a reason."""
     base = method.split("+")[-1]  # ngram+eagle3 is served as its head
     vllm_method, sglang_algo = ENGINE_METHODS.get(base, (None, None))
     out: dict = {"k": k, "mode": mode}
     model = head_path or "<head folder>"
+    sep = " \\\n    " if line_break else " "
     if vllm_method is None:
         out["vllm"] = {"config": None, "command": None, "note": f"vLLM has no speculative method for {method!r}."}
     else:
-        spec: dict = {"method": vllm_method, "num_speculative_tokens": k}
+        spec: dict = {"method": vllm_method}
         if base == "ngram":
-            spec.update(prompt_lookup_min=ngram_min, prompt_lookup_max=ngram_max)
+            spec.update(num_speculative_tokens=k, prompt_lookup_min=ngram_min, prompt_lookup_max=ngram_max)
         else:
-            spec["model"] = model
+            spec.update(model=model, num_speculative_tokens=k)
         if base == "peagle":
             spec["parallel_drafting"] = True
         text = json.dumps(spec)
-        out["vllm"] = {"config": spec, "command": f"vllm serve {target_model} --speculative-config '{text}'"}
+        out["vllm"] = {"config": spec, "command": f"vllm serve {target_model}{sep}--speculative-config '{text}'"}
     if sglang_algo is None:
         out["sglang"] = {"flags": None, "command": None,
                          "note": f"SGLang has no speculative algorithm for {method!r}; serve it with vLLM."}
@@ -181,7 +183,7 @@ def serving_settings(method: str, target_model: str, head_path: Optional[str], k
         if base != "ngram":
             flags = {"--speculative-algorithm": sglang_algo, "--speculative-draft-model-path": model,
                      **{f: v for f, v in flags.items() if f != "--speculative-algorithm"}}
-        text = " ".join(f"{f} {v}" for f, v in flags.items())
+        text = sep.join(f"{f} {v}" for f, v in flags.items())
         out["sglang"] = {"flags": flags,
-                         "command": f"python -m sglang.launch_server --model-path {target_model} {text}"}
+                         "command": f"python -m sglang.launch_server --model-path {target_model}{sep}{text}"}
     return out

@@ -225,3 +225,35 @@ def _folder_tokenizer(model):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder)
+
+
+# ---- publish: the model card's parts -------------------------------------------------------------------
+
+def draft_card(base_model: str, repo_id: str, report: Optional[dict], k: int, formats: list[str],
+               train: dict) -> dict:
+    """A draft model's parts of the card (the method table's `card`): what it is, tags, serving commands, files."""
+    from draftsmith.heads.publish import card_commands
+
+    options = train.get("method") if isinstance(train.get("method"), dict) else {}
+    init = options.get("init", "from_target")
+    start = {"from_target": f"{options.get('num_layers', 'some')} of the target's layers with its embeddings, final "
+                            "norm and lm_head",
+             "from_model": f"the causal LM {options.get('model')!r}",
+             "scratch": "a randomly initialised decoder of the target's family"}.get(init, init)
+    lora_options = options.get("lora") if isinstance(options.get("lora"), dict) else {}
+    lora_on = lora_options.get("enabled")
+    lora = lora_options.get("r", 16) if (lora_on if lora_on is not None else init == "from_model") else None
+    return {
+        "title": "A draft model",
+        "method": (f"A small causal LM that shares the target's tokenizer, started from {start} and distilled on the "
+                   f"target's own answers (loss {options.get('loss', 'fkl')} between the draft's and the target's "
+                   f"next-token distributions, temperature {options.get('temperature', 1.0)}"
+                   + (f", LoRA rank {lora} merged into the weights" if lora else "") + "). It drafts K tokens "
+                   "autoregressively with its own KV cache; the target verifies them."),
+        "tags": ["draft-model", "speculative-decoding", "draftsmith", "vllm", "sglang"],
+        "commands": card_commands("draft", base_model, repo_id, k, report),
+        "no_sglang": "",
+        "files": {"hf": "a plain Hugging Face causal-LM folder (safetensors, config, tokenizer): vLLM's draft_model "
+                        "method, SGLang's STANDALONE algorithm"},
+        "draft_vocab_size": None,
+    }

@@ -164,9 +164,8 @@ def save_speculators_peagle(head: PEagleHead, folder: str | os.PathLike, verifie
 def peagle_card(base_model: str, repo_id: str, report: Optional[dict], k: int, formats: list[str],
                 train: dict) -> dict:
     """P-EAGLE's parts of the card (the method table's `card`): what it is, tags, the vLLM command, files."""
-    import json
+    from draftsmith.heads.publish import card_commands
 
-    spec = json.dumps({"method": "eagle3", "model": repo_id, "num_speculative_tokens": k, "parallel_drafting": True})
     options = train.get("method") if isinstance(train.get("method"), dict) else {}
     return {
         "title": "A P-EAGLE (parallel drafting) head",
@@ -179,7 +178,7 @@ def peagle_card(base_model: str, repo_id: str, report: Optional[dict], k: int, f
                    "over a reduced vocabulary mapped to the target's by `d2t` / `t2d`."),
         "tags": ["peagle", "eagle3", "parallel-drafting", "speculative-decoding", "draft-model", "draftsmith", "vllm"]
                 + (["speculators"] if "speculators" in formats else []),
-        "commands": {"vllm": f"vllm serve {base_model} \\\n    --speculative-config '{spec}'"},
+        "commands": card_commands("peagle", base_model, repo_id, k, report),
         "no_sglang": "SGLang has no parallel drafting for EAGLE heads: serve this head with vLLM.",
         "files": {"peagle": "vLLM `LlamaForCausalLMEagle3` with parallel_drafting, ptd_token_id and mask_hidden",
                   "speculators": "vLLM `PEagleDraftModel`, speculators_config (algorithm peagle)"},

@@ -24,6 +24,7 @@ from typing import Optional
 from draftsmith import DraftsmithError
 from draftsmith.artifacts import (MANIFEST, OWNER, atomic_folder, atomic_write_bytes, atomic_write_json,
                                           claim_output, prepare_output, read_manifest)
+from draftsmith.eval.cost import serving_settings
 from draftsmith.heads.export import is_set
 
 REPO_ID_RULE = "<owner>/<name>, letters, digits, '-', '_' and '.', at most 96 characters"
@@ -34,7 +35,7 @@ DEFAULT_K = 3  # speculative tokens in the serving commands when no eval report 
 
 @dataclass
 class PublishConfig:
-    head: str = "???"  # the EAGLE-3 head: a `draftsmith train` out/ folder or its final/ folder
+    head: str = "???"  # the head or draft model: a `draftsmith train` out/ folder or its final/ folder
     repo_id: str = "???"  # the Hub model repo to create or update, as <owner>/<name>
     # formats written, the first at the repo root; None = every format of the head's method
     # (EAGLE-3: eagle3 for vLLM and SGLang, then speculators for vLLM)
@@ -175,20 +176,25 @@ def local_license(target_id: str) -> Optional[str]:
 # What the card says
 
 
+def card_commands(method: str, base_model: str, repo_id: str, k: int, report: Optional[dict]) -> dict:
+    """The card's serving commands, one flag per line: eval's `serving_settings` (the one place that knows the
+    engines' flags) for the drafting mode the eval report measured; an engine that cannot serve `method` is left
+    out."""
+    drafting = (report or {}).get("drafting") or {}
+    tree = drafting.get("mode") == "tree"
+    settings = serving_settings(method, base_model, repo_id, k, "tree" if tree else "chain",
+                                tree_top_k=int(drafting.get("tree_top_k", 1)),
+                                tree_size=int(drafting["tree_budget"]) if tree and drafting.get("tree_budget") else None,
+                                line_break=True)
+    return {engine: settings[engine]["command"] for engine in ("vllm", "sglang") if settings[engine]["command"]}
+
+
 def eagle3_card(base_model: str, repo_id: str, report: Optional[dict], k: int, formats: list[str],
                 train: dict) -> dict:
     """EAGLE-3's parts of the card (the method table's `card`): what it is, tags, serving commands, files."""
-    spec = json.dumps({"method": "eagle3", "model": repo_id, "num_speculative_tokens": k})
-    commands = {"vllm": f"vllm serve {base_model} \\\n    --speculative-config '{spec}'"}
-    if formats[0] == "eagle3":
-        drafting = (report or {}).get("drafting") or {}
-        tree = drafting.get("mode") == "tree"
-        topk = int(drafting.get("tree_top_k", 1)) if tree else 1
-        draft_tokens = int(drafting.get("tree_budget", k)) + 1 if tree else k + 1  # SGLang counts the root token
-        commands["sglang"] = (f"python -m sglang.launch_server --model-path {base_model} \\\n"
-                              f"    --speculative-algorithm EAGLE3 --speculative-draft-model-path {repo_id} \\\n"
-                              f"    --speculative-num-steps {k} --speculative-eagle-topk {topk} "
-                              f"--speculative-num-draft-tokens {draft_tokens}")
+    commands = card_commands("eagle3", base_model, repo_id, k, report)
+    if formats[0] != "eagle3":
+        del commands["sglang"]  # SGLang loads only the EAGLE-3 folder format
     options = train.get("method") if isinstance(train.get("method"), dict) else {}
     return {
         "title": "An EAGLE-3 draft head",
@@ -228,8 +234,9 @@ def eval_results(report: dict, base_model: str) -> list:
     return results
 
 
-def training_summary(folder: Path) -> dict:
-    """What the head's manifest, its training run and its data-gen output record (missing parts stay out)."""
+def training_summary(folder: Path, offline_data: str = "hidden_states") -> dict:
+    """What the head's manifest, its training run and its data-gen output record (missing parts stay out).
+    `offline_data`: the data-gen manifest key that train's mode=auto reads offline (the method's)."""
     summary: dict = {}
     if (folder / MANIFEST).is_file():
         summary["head"] = read_manifest(folder).get("counts", {})
@@ -243,8 +250,9 @@ def training_summary(folder: Path) -> dict:
         data = Path(str(train.get("data", "")))
         if train.get("data") and (data / MANIFEST).is_file():
             manifest = read_manifest(data)
+            mode = train.get("mode", "auto")
             summary["data"] = {"counts": manifest.get("counts", {}),
-                               "hidden_states": bool(manifest.get("hidden_states"))}
+                               "offline": mode == "offline" or (mode == "auto" and bool(manifest.get(offline_data)))}
             if (data / "config.yaml").is_file():
                 prompts = (OmegaConf.to_container(OmegaConf.load(data / "config.yaml"), resolve=False) or {}).get(
                     "prompts") or {}
@@ -308,7 +316,8 @@ def method_section(summary: dict, parts: dict) -> list[str]:
         lines.append(f"Prompts ({data.get('prompts') or 'unknown source'}) answered by the target itself "
                      f"(draftsmith data-gen): {c.get('samples')} samples, {c.get('tokens')} tokens, of which "
                      f"{c.get('loss_tokens')} assistant tokens carry the loss"
-                     + ("; hidden states captured offline." if data.get("hidden_states") else "; features computed online."))
+                     + ("; the target's outputs were captured once and read offline." if data.get("offline")
+                        else "; the target ran in every training step (online)."))
     else:
         lines.append("Not recorded beside this head (no training run / data-gen manifest found).")
     return lines + [""]
@@ -371,6 +380,9 @@ def write_formats(folder: Path, tmp: Path, formats: list[str], cfg, base_model: 
 def write_publish_folder(cfg, out: Path, folder: Path, report: Optional[tuple[dict, Path]], base_model: str,
                          license: str, k: int, method=None) -> Path:
     """The Hub-ready folder (atomically): formats, eval/ (report + plot), README.md."""
+    from draftsmith.methods import method_for_folder
+
+    method = method or method_for_folder(folder)
     formats = list(cfg.formats) if cfg.formats is not None else list(method.formats)
     with atomic_folder(out, owner="publish") as tmp:
         claim_output(tmp, "publish")
@@ -384,7 +396,7 @@ def write_publish_folder(cfg, out: Path, folder: Path, report: Optional[tuple[di
                 if (where / name).is_file():
                     shutil.copyfile(where / name, tmp / "eval" / name)
             plot = (tmp / "eval" / "report.png").is_file()
-        card = build_card(cfg, base_model, license, report[0] if report else None, training_summary(folder), k,
+        card = build_card(cfg, base_model, license, report[0] if report else None, training_summary(folder, method.offline_data), k,
                           formats, plot, method)
         atomic_write_bytes(tmp / "README.md", card.encode())
     return out

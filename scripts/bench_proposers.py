@@ -130,7 +130,7 @@ def figures(t: dict, base_tps: float | None) -> dict:
             "drafter_ms_per_cycle": 1000 * t["drafter_s"] / max(t["cycles"], 1),
             "ngram_share_of_cycles": t["ngram_cycles"] / t["cycles"] if "ngram_cycles" in t and t["cycles"] else None,
             "tokens_per_s": tps, "speedup": tps / base_tps if base_tps else None,
-            "greedy_identical": t["identical"] == t["n"]}
+            "greedy_identical_fraction": t["identical"] / t["n"] if t["n"] else None}
 
 
 def merged(per_cat: dict) -> dict:
@@ -198,6 +198,13 @@ def ngram_result(args, rows, totals) -> dict:
     return result
 
 
+def _identical(fraction) -> str:
+    """Flag rows whose greedy output differs from target-only decoding on some prompts. In fp32 that is a bug;
+    in bf16 a verify of several tokens rounds differently from a one-token step, so a near-tie can flip
+    (`draftsmith eval` reports the share that are near-ties)."""
+    return "" if fraction is None or fraction == 1 else f"  greedy identical on {fraction:.0%} of prompts"
+
+
 def print_table(result: dict, mode: str) -> None:
     print(f"target-only {result['target_only_tokens_per_s']:.2f} tok/s")
     extra = "  vs best fixed K" if mode == "dynamic" else "  n-gram share"
@@ -206,7 +213,7 @@ def print_table(result: dict, mode: str) -> None:
         tail = (f"  {r['over_best_fixed_k']:.3f}" if mode == "dynamic"
                 else f"  {r['ngram_share_of_cycles']:.2f}" if r["ngram_share_of_cycles"] is not None else "")
         print(f"{r['row']:<34} {r['tau']:5.2f} {r['drafted_per_cycle']:7.2f} {r['drafter_ms_per_cycle']:8.1f} "
-              f"{r['tokens_per_s']:6.2f} {r['speedup']:6.3f}x{tail}" + ("" if r["greedy_identical"] else "  NOT IDENTICAL"))
+              f"{r['tokens_per_s']:6.2f} {r['speedup']:6.3f}x{tail}" + _identical(r["greedy_identical_fraction"]))
         if mode == "ngram":
             for c, f in r["per_category"].items():
                 print(f"    {c:<30} {f['tau']:5.2f} {f['drafted_per_cycle']:7.2f} {f['drafter_ms_per_cycle']:8.1f} "

@@ -198,12 +198,13 @@ def _draft_model_proposer(model, target_vocab_size: int, max_len: int):
 
 def _draft_entry() -> Method:
     """The catch-all (architectures=()): any HF causal-LM folder is evaluated as a draft model."""
+    from draftsmith.heads.draft import draft_card
     from draftsmith.train import draft
 
     return Method(name="draft", config=draft.DraftConfig, new_drafter=draft.new_draft,
                   training=draft.draft_training, summarize=draft.summarize, save=_save_draft,
                   load=_load_draft_model, proposer=_draft_model_proposer, formats={"hf": _export_draft},
-                  offline_data="topk_logits")
+                  card=draft_card, offline_data="topk_logits")
 
 
 # ---- the table ----------------------------------------------------------------------------------

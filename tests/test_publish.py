@@ -73,8 +73,11 @@ def test_dry_run_card_carries_the_report_and_valid_hub_metadata(evaluated, tmp_p
     assert "bonus token included" in text and "eval/report.png" in text  # conventions and the plot
     spec = '{"method": "eagle3", "model": "someone/tiny-eagle3", "num_speculative_tokens": 4}'
     assert f"vllm serve someone/tiny-base \\\n    --speculative-config '{spec}'" in text
-    assert ("--speculative-algorithm EAGLE3 --speculative-draft-model-path someone/tiny-eagle3" in text
-            and "--speculative-num-steps 4 --speculative-eagle-topk 1 --speculative-num-draft-tokens 5" in text)
+    sglang = ("python -m sglang.launch_server --model-path someone/tiny-base \\\n"
+              "    --speculative-algorithm EAGLE3 \\\n    --speculative-draft-model-path someone/tiny-eagle3 \\\n"
+              "    --speculative-num-steps 4 \\\n    --speculative-eagle-topk 1 \\\n"
+              "    --speculative-num-draft-tokens 5\n")
+    assert sglang in text  # the same flags eval's report recommends (eval/cost.py serving_settings)
 
 
 def test_upload_is_one_commit_through_huggingface_hub_without_the_token(evaluated, tmp_path, monkeypatch, capsys):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -210,3 +212,31 @@ def test_help_lists_the_draft_options(capsys):
         main(["train", "method=draft", "--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and "method.loss=fkl" in out and "method.lora.r=16" in out
+
+
+def test_publish_dry_run_writes_a_draft_model_folder_and_card(target, tiny_data, tmp_path):
+    """A trained draft model publishes like a head: the HF folder at the root, a card whose serving commands are
+    eval's (vLLM draft_model, SGLang STANDALONE) and whose method section names the distillation run."""
+    import shlex
+
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.cli import main
+
+    result = run(_cfg(tiny_data, tmp_path / "out", DraftConfig(num_layers=2, loss="jsd"), max_steps=2))
+    main(["publish", f"head={tmp_path / 'out'}", "repo_id=me/tiny-draft", f"out={tmp_path / 'hub'}", "dry_run=true",
+          "allow_no_eval=true", "license=mit", "base_model=a/b", "speculative_tokens=4"])
+    hub = tmp_path / "hub"
+    model = AutoModelForCausalLM.from_pretrained(hub)
+    assert model.config.num_hidden_layers == 2 and model.dtype == torch.bfloat16
+    assert (hub / "tokenizer.json").is_file() and result["final"]
+    card = ModelCard.load(hub / "README.md")
+    assert "draft-model" in card.data.tags and card.data.base_model == "a/b"
+    assert "loss jsd" in card.text and "2 of the target's layers" in card.text
+    blocks = card.text.split("```bash\n")[1:]
+    vllm, sglang = (shlex.split(b.split("```")[0].replace("\\\n", " ")) for b in blocks[:2])
+    assert vllm[:4] == ["vllm", "serve", "a/b", "--speculative-config"]
+    assert json.loads(vllm[4]) == {"method": "draft_model", "model": "me/tiny-draft", "num_speculative_tokens": 4}
+    assert sglang[sglang.index("--speculative-algorithm") + 1] == "STANDALONE"
+    assert sglang[sglang.index("--speculative-draft-model-path") + 1] == "me/tiny-draft"

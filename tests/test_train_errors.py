@@ -82,3 +82,26 @@ def test_resume_other_method_or_config(tmp_path, target, capsys):
     assert "resume=true" in msg
     after = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
     assert after == before
+
+
+def test_a_killed_deepspeed_op_build_lock_is_refused_not_waited_on(target, tmp_path, monkeypatch, capsys):
+    """A `lock` left by a killed JIT build makes DeepSpeed poll forever; train names it in one sentence instead.
+    A lock some process still holds open (a build in progress) is not stale, however old."""
+    import os
+
+    from draftsmith.train.trainer import stale_extension_locks
+
+    lock = tmp_path / "ext" / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    assert stale_extension_locks(tmp_path / "ext") == []  # young: a build that has just started
+    os.utime(lock, (1, 1))
+    assert stale_extension_locks(tmp_path / "ext") == [lock]
+    with open(lock):  # held open, as torch's FileBaton holds it while building
+        assert stale_extension_locks(tmp_path / "ext") == []
+    assert stale_extension_locks(tmp_path / "missing") == []
+
+    data = make_tiny_data(tmp_path / "data", target, n=4)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    err = _train(capsys, f"data={data}", f"out={tmp_path / 'out'}", "deepspeed=zero1", "max_steps=1")
+    assert str(lock) in err and "delete it" in err and lock.is_file()  # named, not deleted

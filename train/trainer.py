@@ -77,11 +77,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def stale_extension_locks(root: Optional[Path] = None, min_age_s: float = 60.0) -> list[Path]:
+    """Build locks in torch's extension folder that a killed build left behind.
+
+    DeepSpeed JIT-builds ops (on CPU: deepspeed_shm_comm, cpu_adam) under torch's `FileBaton`: the builder
+    creates `<op>/lock` and keeps it open; every other process polls until the file is gone, forever. A lock
+    that no process on this machine holds open and that is older than `min_age_s` will never go away."""
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    locks = [p for p in root.glob("*/*/lock") if time.time() - p.stat().st_mtime > min_age_s] if root.is_dir() else []
+    if not locks or not Path("/proc/self/fd").is_dir():  # no lock, or not Linux: nothing can be told
+        return []
+    held = set()
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            held.add(Path(os.readlink(fd)))
+        except OSError:  # a process or fd that went away, or one we may not read
+            continue
+    return [p for p in locks if p.resolve() not in held]
+
+
 def init_distributed(cfg) -> tuple[int, int]:
     """(rank, world_size). Launched by torchrun / deepspeed (env vars set) or as one plain process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.deepspeed == "none" and world == 1:
         return 0, 1
+    stale = stale_extension_locks() if cfg.deepspeed != "none" else []
+    if stale:
+        raise DraftsmithError(f"{stale[0]} is left by a killed DeepSpeed op build (no process holds it) and "
+                              f"DeepSpeed would wait on it forever; delete it and rerun.")
     backend = "gloo" if cfg.device == "cpu" else "nccl"
     if not dist.is_initialized():
         if world == 1:  # DeepSpeed needs a process group even alone: a private one on a free port
