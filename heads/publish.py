@@ -234,7 +234,7 @@ def eval_results(report: dict, base_model: str) -> list:
     return results
 
 
-def training_summary(folder: Path, offline_data: str = "hidden_states") -> dict:
+def training_summary(folder: Path, offline_data: str) -> dict:
     """What the head's manifest, its training run and its data-gen output record (missing parts stay out).
     `offline_data`: the data-gen manifest key that train's mode=auto reads offline (the method's)."""
     summary: dict = {}
@@ -324,13 +324,10 @@ def method_section(summary: dict, parts: dict) -> list[str]:
 
 
 def build_card(cfg, base_model: str, license: str, report: Optional[dict], summary: dict, k: int,
-               formats: list[str], plot: bool, method=None) -> str:
+               formats: list[str], plot: bool, method) -> str:
     """README.md: Hub metadata (base_model, license, library_name, tags, pipeline_tag, model-index) + the card."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    from draftsmith.methods import methods
-
-    method = method or methods()["eagle3"]
     name = cfg.repo_id.split("/")[1]
     parts = method.card(base_model, cfg.repo_id, report, k, formats, summary.get("train", {}))
     commands = parts["commands"]
@@ -357,13 +354,11 @@ def build_card(cfg, base_model: str, license: str, report: Optional[dict], summa
 # The folder and the upload
 
 
-def write_formats(folder: Path, tmp: Path, formats: list[str], cfg, base_model: str, k: int, method=None) -> None:
+def write_formats(folder: Path, tmp: Path, formats: list[str], cfg, base_model: str, k: int, method) -> None:
     """Export the head into tmp with its method's writers: the first format at the root, the others in subfolders."""
     from draftsmith.data_gen.target import torch_dtype
     from draftsmith.heads.export import ExportOptions
-    from draftsmith.methods import method_for_folder
 
-    method = method or method_for_folder(folder)
     head = method.load(folder)
     target = read_manifest(folder).get("target") if (folder / MANIFEST).is_file() else None
     options = ExportOptions(torch_dtype(cfg.dtype), cfg.include_embeddings, verifier=base_model, speculative_tokens=k)
@@ -378,11 +373,9 @@ def write_formats(folder: Path, tmp: Path, formats: list[str], cfg, base_model: 
 
 
 def write_publish_folder(cfg, out: Path, folder: Path, report: Optional[tuple[dict, Path]], base_model: str,
-                         license: str, k: int, method=None) -> Path:
-    """The Hub-ready folder (atomically): formats, eval/ (report + plot), README.md."""
-    from draftsmith.methods import method_for_folder
-
-    method = method or method_for_folder(folder)
+                         license: str, k: int, method) -> Path:
+    """The Hub-ready folder (atomically): formats, eval/ (report + plot), README.md; `method`: the folder's
+    entry in draftsmith.methods (`head_folder` finds it)."""
     formats = list(cfg.formats) if cfg.formats is not None else list(method.formats)
     with atomic_folder(out, owner="publish") as tmp:
         claim_output(tmp, "publish")
@@ -396,8 +389,8 @@ def write_publish_folder(cfg, out: Path, folder: Path, report: Optional[tuple[di
                 if (where / name).is_file():
                     shutil.copyfile(where / name, tmp / "eval" / name)
             plot = (tmp / "eval" / "report.png").is_file()
-        card = build_card(cfg, base_model, license, report[0] if report else None, training_summary(folder, method.offline_data), k,
-                          formats, plot, method)
+        summary = training_summary(folder, method.offline_data)
+        card = build_card(cfg, base_model, license, report[0] if report else None, summary, k, formats, plot, method)
         atomic_write_bytes(tmp / "README.md", card.encode())
     return out
 
