@@ -147,6 +147,16 @@ def micro_batches(batch: list[int], micro_batch_size: int, rank: int, world: int
     return micro[rank::world]
 
 
+def _right_padded(per_row, T: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """(B, T, ...) zeros holding row b's (T_b, ...) tensor at [b, :T_b] (cut at T); dtype: the rows' own."""
+    first = per_row[0]
+    out = torch.zeros(len(per_row), T, *first.shape[1:], dtype=dtype or first.dtype)
+    for b, x in enumerate(per_row):
+        n = min(x.shape[0], T)
+        out[b, :n] = x[:n]
+    return out
+
+
 def collate(data: TrainData, positions: list[int], device) -> dict:
     """Right-padded tensors of one micro-batch; offline adds aux (B, T, 3H) and last (B, T, H), and
     target_top / target_lse (B, T) when the shards carry them."""
@@ -164,26 +174,14 @@ def collate(data: TrainData, positions: list[int], device) -> dict:
     batch = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
              "loss_mask": loss_mask.to(device)}
     if data.hidden is not None:
-        feats = [data.hidden[r] for r in rows]
-        aux = torch.zeros(B, T, feats[0][0].shape[-1], dtype=feats[0][0].dtype)
-        last = torch.zeros(B, T, feats[0][1].shape[-1], dtype=feats[0][1].dtype)
-        for b, (a, l) in enumerate(feats):
-            n = min(a.shape[0], T)
-            aux[b, :n], last[b, :n] = a[:n], l[:n]
-        batch["aux"], batch["last"] = aux.to(device), last.to(device)
+        batch["aux"], batch["last"] = (_right_padded(x, T).to(device) for x in zip(*(data.hidden[r] for r in rows)))
         if data.hidden.stats:  # the target's argmax and logsumexp per position (padding: never read)
-            top, lse = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T)
-            for b, r in enumerate(rows):
-                t, s = data.hidden.target_stats(r)
-                n = min(t.shape[0], T)
-                top[b, :n], lse[b, :n] = t[:n], s[:n]
-            batch["target_top"], batch["target_lse"] = top.to(device), lse.to(device)
+            top, lse = zip(*(data.hidden.target_stats(r) for r in rows))
+            batch["target_top"] = _right_padded(top, T, torch.long).to(device)
+            batch["target_lse"] = _right_padded(lse, T, torch.float32).to(device)
     if data.topk is not None:  # (B, T, k) ids and log-probs, (B, T) tail; padding positions are never scored
-        k = data.topk.k
-        ids, logp, tail = torch.zeros(B, T, k, dtype=torch.int32), torch.zeros(B, T, k), torch.zeros(B, T)
-        for b, r in enumerate(rows):
-            i, lp, tl = data.topk[r]
-            n = min(i.shape[0], T)
-            ids[b, :n], logp[b, :n], tail[b, :n] = i[:n], lp[:n], tl[:n]
-        batch["topk_ids"], batch["topk_logp"], batch["topk_tail"] = ids.to(device), logp.to(device), tail.to(device)
+        ids, logp, tail = zip(*(data.topk[r] for r in rows))
+        batch["topk_ids"] = _right_padded(ids, T, torch.int32).to(device)
+        batch["topk_logp"] = _right_padded(logp, T, torch.float32).to(device)
+        batch["topk_tail"] = _right_padded(tail, T, torch.float32).to(device)
     return batch
