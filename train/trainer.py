@@ -87,7 +87,13 @@ def stale_extension_locks(root: Optional[Path] = None, min_age_s: float = 60.0) 
         from torch.utils.cpp_extension import get_default_build_root
 
         root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    locks = [p for p in root.glob("*/*/lock") if time.time() - p.stat().st_mtime > min_age_s] if root.is_dir() else []
+    locks = []
+    for lock in root.glob("*/*/lock") if root.is_dir() else ():
+        try:
+            if time.time() - lock.stat().st_mtime > min_age_s:
+                locks.append(lock)
+        except FileNotFoundError:  # a build that finished between the listing and the stat
+            continue
     if not locks or not Path("/proc/self/fd").is_dir():  # no lock, or not Linux: nothing can be told
         return []
     held = set()
