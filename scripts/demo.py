@@ -1,12 +1,19 @@
 """`draftsmith demo`: data-gen -> EAGLE-3 training -> eval on the embedded SmolLM2, on a laptop CPU.
 
-    draftsmith demo                      # ~20 minutes on 2 CPU cores; out=runs/demo
-    draftsmith demo flavour=smollm2-long # ~23 minutes on 2 CPU cores: the learning curve's largest point
-    draftsmith demo flavour=tiny         # the random tiny target, a few steps: CI, < 1 minute
+    draftsmith demo                       # sized to budget_min=20 minutes on this machine; out=runs/demo
+    draftsmith demo budget_min=10         # a smaller plan
+    draftsmith demo flavour=smollm2-fixed # the fixed sizes of the README's earlier figures (480 prompts, 960 steps)
+    draftsmith demo flavour=smollm2-long  # the learning curve's largest point (720 prompts, 1440 steps)
+    draftsmith demo flavour=tiny          # the random tiny target, a few steps: CI, < 1 minute
+
+Sizing (flavour smollm2): a calibration run of the same three stages (out/calibration/: one data-gen batch, a
+few training steps, one short eval) measures this machine's rates; `plan_sizes` then picks the training prompts
+and steps (two epochs) that end the whole demo within budget_min, prints the plan with the measured rates and
+saves it in out/plan.json (a rerun with the same settings reuses it, so its stages are skipped or resumed).
 
 Stages and their folders under `out/`:
   data/  `draftsmith data-gen prompts=self hidden_states=true`: the target writes n_prompts + eval_prompts
-         questions and answers them (batched bf16 generation), then its features are captured once;
+         questions and answers them (batched generation, dtype auto), then its features are captured once;
   head/  `draftsmith train method=eagle3 mode=offline val_samples=eval_prompts`: EAGLE-3 training on all
          rows but the last `eval_prompts` (out/head/final is the head);
   eval/  `draftsmith eval prompts.source=holdout prompts.holdout=eval_prompts`: the held-out rows'
@@ -25,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,35 +43,46 @@ from omegaconf import OmegaConf
 from draftsmith import DraftsmithError
 from draftsmith import artifacts as mf
 from draftsmith.artifacts import atomic_write_bytes, atomic_write_json
+from draftsmith.configs import compose
+from draftsmith.data_gen.run import run as data_gen_run
+from draftsmith.data_gen.target import load_target
+from draftsmith.eval.run import run as eval_run
+from draftsmith.train.checkpoint import list_checkpoints
+from draftsmith.train.run import run as train_run
 
-# Sizes of each flavour; a DemoConfig knob left at None takes its flavour's value.
+# Sizes of each flavour; a DemoConfig knob left at None takes its flavour's value. A flavour with
+# "budget": True is sized to `budget_min` on the machine it runs on (plan_sizes below): its n_prompts and
+# train_steps are only the values the plan starts from.
+SMOLLM2 = dict(target="smollm2", n_prompts=480, max_prompt_tokens=64, eval_prompts=10, gen_max_new_tokens=128,
+               train_steps=960, lr=3e-3, draft_vocab_size=8192, max_length=384, train_precision="auto",
+               train_mode="offline", gen_batch_size=32, eval_max_new_tokens=96, repeats=1)
 FLAVOURS = {
-    # Sized from the measured learning curve (scripts/bench_learning_curve.py, README "Learning curve") to
-    # fit 20 minutes on 2 idle CPU cores: data-gen ~1.05 s per sample at batch 32 in bf16 (writing the prompt,
-    # answering it, capturing its features), an offline bf16 training step ~0.41 s, eval ~2.5 min; measured
-    # end to end: 17 min 36 s.
-    # 480 samples seen twice; adjust n_prompts / train_steps if your CPU is slower. lr 3e-3: the best held-out
-    # E[tau] per minute of training among 3e-4 / 1e-3 / 3e-3 (scripts/bench_sample_efficiency.py).
-    "smollm2": dict(target="smollm2", n_prompts=480, max_prompt_tokens=64, eval_prompts=10, gen_max_new_tokens=128,
-                    train_steps=960,
-                    lr=3e-3, draft_vocab_size=8192, max_length=384, train_precision="bf16", train_mode="offline",
-                    gen_batch_size=32, eval_max_new_tokens=96, repeats=1),
+    # The default: the sizes below scaled to fit budget_min on this machine, from rates measured by a
+    # calibration run of the same three stages (out/calibration/) at the start. Two epochs over the data (the
+    # learning curve's recipe, scripts/bench_learning_curve.py); lr 3e-3: the best held-out E[tau] per minute of
+    # training among 3e-4 / 1e-3 / 3e-3 (scripts/bench_sample_efficiency.py).
+    "smollm2": dict(SMOLLM2, budget=True),
+    # The fixed sizes the README's earlier figures were measured with (17 min 36 s on a 2-core Intel Xeon with
+    # AMX-bf16, 2026-11-30): 480 samples seen twice. On a CPU without native bf16 it takes far longer.
+    "smollm2-fixed": dict(SMOLLM2, budget=False),
     # The learning curve's largest point as a demo: 720 samples seen twice, lr 1e-3 as the curve was measured
-    # (23 min 26 s on 2 idle cores, 2026-11-30: tau 1.61, 1.17x; n-gram 1.24x on the same prompts).
-    "smollm2-long": dict(target="smollm2", n_prompts=720, max_prompt_tokens=64, eval_prompts=10,
-                         gen_max_new_tokens=128, train_steps=1440,
-                         lr=1e-3, draft_vocab_size=8192, max_length=384, train_precision="bf16", train_mode="offline",
-                         gen_batch_size=32, eval_max_new_tokens=96, repeats=1),
+    # (23 min 26 s on 2 idle cores with AMX-bf16, 2026-11-30: tau 1.61, 1.17x; n-gram 1.24x on the same prompts).
+    "smollm2-long": dict(SMOLLM2, n_prompts=720, train_steps=1440, lr=1e-3, budget=False),
     # The random tiny target: the whole pipeline in well under a minute, for CI.
     "tiny": dict(target="tiny", n_prompts=6, max_prompt_tokens=16, eval_prompts=2, gen_max_new_tokens=8, train_steps=3,
                  lr=1e-3, draft_vocab_size=128, max_length=128, train_precision="fp32", train_mode="offline",
-                 gen_batch_size=4, eval_max_new_tokens=12, repeats=1),
+                 gen_batch_size=4, eval_max_new_tokens=12, repeats=1, budget=False),
 }
+# What the calibration run changes in a budgeted flavour: one data-gen batch, a few training steps, one short eval.
+CALIBRATION_STEPS = 6
+CALIBRATION_EVAL_TOKENS = 32
+PLAN = "plan.json"
 
 
 @dataclass
 class DemoConfig:
-    flavour: str = "smollm2"  # smollm2 | smollm2-long | tiny (sizes below default to the flavour's)
+    flavour: str = "smollm2"  # smollm2 (sized to budget_min) | smollm2-fixed | smollm2-long | tiny
+    budget_min: Optional[float] = 20.0  # wall minutes a budgeted flavour is sized to (null: the flavour's sizes)
     out: str = "runs/demo"  # output folder: data/, head/, eval/
     overwrite: bool = False  # true: use an out folder (and data/, head/, eval/ in it) the demo did not make
     seed: int = 0  # of every stage
@@ -75,7 +94,7 @@ class DemoConfig:
     lr: Optional[float] = None  # peak learning rate of the training
     draft_vocab_size: Optional[int] = None  # the head's draft vocabulary
     max_length: Optional[int] = None  # training sequence length
-    train_precision: Optional[str] = None  # fp32 | bf16
+    train_precision: Optional[str] = None  # auto | fp32 | bf16
     train_mode: Optional[str] = None  # offline (data-gen captures the target's features once) | online
     gen_batch_size: Optional[int] = None  # data-gen's backend.batch_size (rows decoded together)
     eval_max_new_tokens: Optional[int] = None  # answer length in eval
@@ -93,10 +112,11 @@ class DemoConfig:
             checks.at_least(name, getattr(self, name), 1, null="the flavour's")
         checks.positive("lr", self.lr, null="the flavour's")
         if self.train_precision is not None:
-            checks.one_of("train_precision", self.train_precision, ("fp32", "bf16"))
+            checks.one_of("train_precision", self.train_precision, ("auto", "fp32", "bf16"))
         if self.train_mode is not None:
             checks.one_of("train_mode", self.train_mode, ("offline", "online"))
         checks.in_range("num_speculative_tokens", self.num_speculative_tokens, 1, 64)
+        checks.positive("budget_min", self.budget_min, null="no budget")
 
 
 def sizes(cfg) -> dict:
@@ -108,6 +128,8 @@ def sizes(cfg) -> dict:
         value = getattr(cfg, key, None)
         if value is not None:
             s[key] = value
+    # Sized to the budget unless asked not to, or unless the user fixed the sizes the plan would choose.
+    s["budget"] = bool(s["budget"]) and cfg.budget_min is not None and cfg.n_prompts is None and cfg.train_steps is None
     if s["n_prompts"] < 2 or s["eval_prompts"] < 1 or s["train_steps"] < 1:
         raise DraftsmithError("n_prompts must be >= 2, eval_prompts >= 1 and train_steps >= 1.")
     return s
@@ -119,7 +141,7 @@ def stage_overrides(cfg, s: dict, out: Path) -> dict[str, list[str]]:
     return {
         "data_gen": [target, "prompts=self", f"prompts.n={s['n_prompts'] + s['eval_prompts']}",
                      f"prompts.seed={cfg.seed}", f"prompts.max_prompt_tokens={s['max_prompt_tokens']}", f"seed={cfg.seed}", f"max_new_tokens={s['gen_max_new_tokens']}",
-                     "target.dtype=bfloat16" if s["target"] == "smollm2" else "target.dtype=float32",
+                     "target.dtype=auto" if s["target"] == "smollm2" else "target.dtype=float32",
                      f"backend.batch_size={s['gen_batch_size']}", f"regenerate_chunk={4 * s['gen_batch_size']}",
                      f"hidden_states={str(s['train_mode'] == 'offline').lower()}", f"out={out / 'data'}"],
         "train": ["method=eagle3", target, f"data={out / 'data'}", f"out={out / 'head'}", f"mode={s['train_mode']}",
@@ -166,30 +188,14 @@ def _done(out: Path, stage: str, overrides: list[str]) -> bool:
 
 
 def _run_stage(stage: str, overrides: list[str]) -> dict:
-    from importlib import import_module
-
-    from draftsmith.configs import compose
-
-    module = {"data_gen": "draftsmith.data_gen.run", "train": "draftsmith.train.run", "eval": "draftsmith.eval.run"}
-    return import_module(module[stage]).run(compose(stage, overrides))
+    runner = {"data_gen": data_gen_run, "train": train_run, "eval": eval_run}[stage]
+    return runner(compose(stage, overrides))
 
 
-def run(cfg) -> dict:
-    """Run (or skip / resume) the three stages; returns {stage: seconds, ..., "report": eval report}."""
-    s = sizes(cfg)
-    overwrite = bool(getattr(cfg, "overwrite", False))
-    out = mf.prepare_output(cfg.out, "demo", overwrite=overwrite)
-    for stage, name in FOLDERS.items():  # each stage's folder: new, empty or that stage's own (before any work)
-        mf.prepare_output(out / name, stage, overwrite=overwrite)
-    mf.claim_output(out, "demo")
-    if overwrite:  # the stages then write into these folders as their own
-        for stage, name in FOLDERS.items():
-            if (out / name).is_dir() and not mf.owns(out / name, stage):
-                mf.claim_output(out / name, stage)
-    atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg).encode())
+def run_stages(cfg, s: dict, out: Path) -> dict:
+    """Run (or skip / resume) the three stages with sizes `s` into `out`; returns seconds, skips and the report."""
     plan = stage_overrides(cfg, s, out)
-    result: dict = {"out": str(out), "flavour": cfg.flavour, "sizes": s, "seconds": {}, "skipped": []}
-    t_all = time.perf_counter()
+    result: dict = {"seconds": {}, "skipped": []}
     upstream_ran = False
     for stage, overrides in plan.items():
         if not upstream_ran and _done(out, stage, overrides):
@@ -200,21 +206,166 @@ def run(cfg) -> dict:
             stamp.unlink(missing_ok=True)
             clear_stage(out / FOLDERS[stage], stage)
         upstream_ran = True
-        if stage == "train":
-            from draftsmith.train.checkpoint import list_checkpoints
-
-            if list_checkpoints(out / "head"):
-                overrides = overrides + ["resume=true"]
+        if stage == "train" and list_checkpoints(out / "head"):
+            overrides = overrides + ["resume=true"]
         t0 = time.perf_counter()
         done = _run_stage(stage, overrides)
         result["seconds"][stage] = round(time.perf_counter() - t0, 1)
         if stage == "train":
             result["train"] = {"steps": done.get("steps"), "val": done.get("val")}
         atomic_write_json(out / f"{stage}.done.json", {"overrides": plan[stage], "seconds": result["seconds"][stage]})
-    result["seconds"]["total"] = round(time.perf_counter() - t_all, 1)
     result["report"] = json.loads((out / "eval" / "report.json").read_text())
+    return result
+
+
+def prepare_demo_folder(out: Path, overwrite: bool) -> None:
+    """Check `out` and its stage folders before any work, then mark them as the demo's (and the stages')."""
+    for stage, name in FOLDERS.items():  # each stage's folder: new, empty or that stage's own (before any work)
+        mf.prepare_output(out / name, stage, overwrite=overwrite)
+    mf.claim_output(out, "demo")
+    if overwrite:  # the stages then write into these folders as their own
+        for stage, name in FOLDERS.items():
+            if (out / name).is_dir() and not mf.owns(out / name, stage):
+                mf.claim_output(out / name, stage)
+
+
+def run(cfg) -> dict:
+    """Run (or skip / resume) the three stages, sized to the budget first where the flavour asks for it; returns
+    {"seconds": {stage: s, "total": s}, "skipped": [...], "plan": ... (budgeted flavours), "report": eval report}."""
+    s = sizes(cfg)
+    overwrite = bool(getattr(cfg, "overwrite", False))
+    out = mf.prepare_output(cfg.out, "demo", overwrite=overwrite)
+    prepare_demo_folder(out, overwrite)
+    if s["budget"]:
+        mf.prepare_output(out / "calibration", "demo", overwrite=overwrite)
+        prepare_demo_folder(out / "calibration", overwrite)
+    atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg).encode())
+    t_all = time.perf_counter()
+    plan = None
+    if s["budget"]:
+        plan = budget_plan(cfg, s, out, t_all)
+        s = dict(s, n_prompts=plan["n_prompts"], train_steps=plan["train_steps"])
+    result = {"out": str(out), "flavour": cfg.flavour, "sizes": s, **run_stages(cfg, s, out)}
+    if plan is not None:
+        result["plan"] = plan
+        result["seconds"] = {"calibration": plan["calibration_s"] if plan["calibrated_now"] else 0.0,
+                             **result["seconds"]}
+    result["seconds"]["total"] = round(time.perf_counter() - t_all, 1)
     atomic_write_json(out / "demo_summary.json", {k: v for k, v in result.items() if k != "report"})
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizing to the budget: a calibration run of the same three stages measures this machine's rates, then the
+# data and the training steps are chosen so that the whole demo ends within budget_min.
+
+@dataclass
+class Rates:
+    """What the calibration run measured on this machine, in seconds."""
+    load_s: float  # one load of the target (each stage loads it once)
+    data_gen_s_per_sample: float  # writing one prompt, answering it and capturing its features, at gen_batch_size
+    train_step_s: float  # one optimizer step (median of the calibration's steps after the first)
+    train_fixed_s: float  # the training stage's cost besides its steps (loads, held-out evaluation, saving)
+    eval_fixed_s: float  # eval's cost that does not grow with the answers' length (loads, warm-up, cost model)
+    eval_s_per_token: float  # decoding one new token target-only, speculatively and with n-gram, summed
+
+
+def calibration_sizes(s: dict) -> dict:
+    """The calibration run: one data-gen batch (+1 held-out prompt), a few training steps, one short eval."""
+    return dict(s, n_prompts=s["gen_batch_size"], eval_prompts=1, train_steps=CALIBRATION_STEPS,
+                eval_max_new_tokens=min(CALIBRATION_EVAL_TOKENS, s["eval_max_new_tokens"]), budget=False)
+
+
+def measured_rates(calib: dict, calib_out: Path, cs: dict, load_s: float) -> Rates:
+    """Rates from a finished calibration run (`calib`: run_stages' result, `cs`: its sizes)."""
+    secs = calib["seconds"]
+    steps = [json.loads(line)["step_s"] for line in (calib_out / "head" / "metrics.jsonl").read_text().splitlines()
+             if line.strip() and "step_s" in json.loads(line)]
+    timed = sorted(steps[1:] or steps)  # the first step pays for warm-up
+    step_s = timed[len(timed) // 2]
+    r = calib["report"]
+    decoders = [r["target_only_tokens_per_s"], r["speculative_tokens_per_s"]]
+    ngram = (r.get("baselines") or {}).get("ngram")
+    if ngram and ngram.get("tokens_per_s"):
+        decoders.append(ngram["tokens_per_s"])
+    per_token = sum(1.0 / max(tps, 1e-6) for tps in decoders) * cs["repeats"]
+    decoded = cs["eval_prompts"] * cs["eval_max_new_tokens"]
+    return Rates(
+        load_s=load_s,
+        data_gen_s_per_sample=max(secs["data_gen"] - load_s, 0.0) / (cs["n_prompts"] + cs["eval_prompts"]),
+        train_step_s=step_s,
+        train_fixed_s=max(secs["train"] - sum(steps), 0.0),
+        eval_fixed_s=max(secs["eval"] - per_token * decoded, 0.0),
+        eval_s_per_token=per_token,
+    )
+
+
+MIN_PROMPTS = 32  # below this a head learns next to nothing: the plan then says it will overrun
+
+
+def plan_sizes(s: dict, budget_s: float, spent_s: float, rates: Rates, margin: float = 0.08) -> dict:
+    """The training prompts and steps that fit what is left of `budget_s` (pure: the rates are given).
+
+    Keeps the flavour's epochs (train_steps / n_prompts) and eval size; `margin` of the budget is kept free
+    for what the rates do not capture (answers longer than the calibration's, a busier machine)."""
+    epochs = s["train_steps"] / s["n_prompts"]
+    eval_s = rates.eval_fixed_s + rates.eval_s_per_token * s["eval_prompts"] * s["eval_max_new_tokens"]
+    fixed_s = rates.load_s + rates.train_fixed_s + eval_s + rates.data_gen_s_per_sample * s["eval_prompts"]
+    left_s = budget_s * (1.0 - margin) - spent_s - fixed_s
+    per_prompt_s = rates.data_gen_s_per_sample + epochs * rates.train_step_s
+    n = max(int(left_s // per_prompt_s), MIN_PROMPTS)
+    steps = max(int(round(epochs * n)), 1)
+    data_gen_s = rates.load_s + rates.data_gen_s_per_sample * (n + s["eval_prompts"])
+    train_s = rates.train_fixed_s + rates.train_step_s * steps
+    total_s = spent_s + data_gen_s + train_s + eval_s
+    return {"n_prompts": n, "train_steps": steps, "epochs": round(epochs, 3), "budget_s": round(budget_s, 1),
+            "estimate_s": {"spent": round(spent_s, 1), "data_gen": round(data_gen_s, 1), "train": round(train_s, 1),
+                           "eval": round(eval_s, 1), "total": round(total_s, 1)},
+            "fits": total_s <= budget_s, "rates": {k: round(v, 4) for k, v in vars(rates).items()}}
+
+
+def plan_text(plan: dict) -> str:
+    """The plan as the lines the demo prints before its long stages."""
+    r, e = plan["rates"], plan["estimate_s"]
+    lines = [f"demo plan for {plan['budget_s'] / 60:.0f} min on this machine: {plan['n_prompts']} training prompts, "
+             f"{plan['train_steps']} steps ({plan['epochs']:g} epochs); estimated data-gen {e['data_gen'] / 60:.1f} min, "
+             f"train {e['train'] / 60:.1f} min, eval {e['eval'] / 60:.1f} min, total {e['total'] / 60:.1f} min "
+             f"(calibration included)",
+             f"  measured: data-gen {r['data_gen_s_per_sample']:.2f} s/sample, training {r['train_step_s']:.3f} s/step, "
+             f"eval {r['eval_s_per_token'] * 1000:.0f} ms per answer token (3 decoders), target load {r['load_s']:.1f} s"]
+    if not plan["fits"]:
+        lines.append(f"  warning: even {plan['n_prompts']} prompts (the least that trains a useful head) overrun the "
+                     f"budget on this machine; pass budget_min= or smaller sizes (n_prompts=, train_steps=).")
+    return "\n".join(lines)
+
+
+def budget_plan(cfg, s: dict, out: Path, t_start: float) -> dict:
+    """Calibrate (or reuse the plan a previous run of these settings saved), then size the demo to the budget."""
+    key = {"sizes": s, "budget_min": cfg.budget_min, "seed": cfg.seed,
+           "num_speculative_tokens": cfg.num_speculative_tokens}
+    try:
+        saved = json.loads((out / PLAN).read_text())
+    except (OSError, ValueError):
+        saved = None
+    if isinstance(saved, dict) and saved.get("key") == json.loads(json.dumps(key)):
+        plan = dict(saved["plan"], calibrated_now=False)
+        print(f"demo plan reused from {out / PLAN}: {plan['n_prompts']} prompts, {plan['train_steps']} steps.",
+              file=sys.stderr)
+        return plan
+    cs = calibration_sizes(s)
+    calib_out = out / "calibration"
+    print(f"demo: calibrating on this machine ({cs['n_prompts']} prompts, {cs['train_steps']} steps, one short eval) "
+          f"to size the demo to {cfg.budget_min:g} min...", file=sys.stderr)
+    calib = run_stages(cfg, cs, calib_out)
+    t0 = time.perf_counter()
+    load_target(compose("data_gen", stage_overrides(cfg, cs, calib_out)["data_gen"]).target)
+    load_s = time.perf_counter() - t0
+    rates = measured_rates(calib, calib_out, cs, load_s)
+    spent_s = time.perf_counter() - t_start
+    plan = dict(plan_sizes(s, cfg.budget_min * 60.0, spent_s, rates), calibration_s=round(spent_s, 1))
+    atomic_write_json(out / PLAN, {"key": key, "plan": plan})
+    print(plan_text(plan), file=sys.stderr)
+    return dict(plan, calibrated_now=True)
 
 
 def summary(result: dict) -> str:
@@ -232,6 +383,10 @@ def summary(result: dict) -> str:
     ]
     if ngram:
         lines.append(f"  n-gram lookup baseline (no training): tau {ngram['tau']:.2f}, speedup {ngram['speedup']:.2f}x")
+    if result.get("plan"):
+        p = result["plan"]
+        lines.append(f"  sized to {p['budget_s'] / 60:.0f} min: {p['n_prompts']} training prompts, {p['train_steps']} steps "
+                     f"(estimated {p['estimate_s']['total'] / 60:.1f} min; plan in {Path(result['out']) / PLAN})")
     secs = ", ".join(f"{k} {v:.0f} s" for k, v in result["seconds"].items())
     skipped = f" (skipped, already complete: {', '.join(result['skipped'])})" if result["skipped"] else ""
     lines.append(f"  time: {secs}{skipped}")

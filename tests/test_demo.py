@@ -6,7 +6,7 @@ import pytest
 
 from draftsmith.cli import main
 from draftsmith.configs import compose
-from draftsmith.demo import FLAVOURS, run, sizes, summary
+from draftsmith.demo import MIN_PROMPTS, FLAVOURS, Rates, measured_rates, plan_sizes, plan_text, run, sizes, summary
 
 
 @pytest.mark.timeout(180)
@@ -47,3 +47,78 @@ def test_bad_flavour_exits_2(capsys):
         main(["demo", "flavour=huge"])
     assert e.value.code == 2
     assert "flavour" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizing to the budget (pure function, rates injected), and the calibration run on the tiny target.
+
+RATES = Rates(load_s=5.0, data_gen_s_per_sample=1.0, train_step_s=0.5, train_fixed_s=20.0, eval_fixed_s=30.0,
+              eval_s_per_token=0.1)
+
+
+def test_plan_fits_the_budget_and_keeps_the_epochs():
+    s = sizes(compose("demo", []))
+    plan = plan_sizes(s, budget_s=1200.0, spent_s=60.0, rates=RATES)
+    epochs = FLAVOURS["smollm2"]["train_steps"] / FLAVOURS["smollm2"]["n_prompts"]
+    assert plan["train_steps"] == round(epochs * plan["n_prompts"])
+    # the estimate adds up what the rates say each stage costs, and stays inside the budget minus the margin
+    e = plan["estimate_s"]
+    eval_s = 30.0 + 0.1 * s["eval_prompts"] * s["eval_max_new_tokens"]
+    assert e["eval"] == pytest.approx(eval_s, abs=0.1)
+    assert e["data_gen"] == pytest.approx(5.0 + 1.0 * (plan["n_prompts"] + s["eval_prompts"]), abs=0.1)
+    assert e["train"] == pytest.approx(20.0 + 0.5 * plan["train_steps"], abs=0.1)
+    assert e["total"] == pytest.approx(60.0 + e["data_gen"] + e["train"] + eval_s, abs=0.5)
+    assert plan["fits"] and e["total"] <= 1200.0 * (1 - 0.08) + 2.0  # one more prompt would not fit
+    more = plan_sizes(s, 1200.0, 60.0, Rates(**{**vars(RATES), "train_step_s": 0.25}))
+    assert more["n_prompts"] > plan["n_prompts"]  # a faster machine gets more data
+    slower = plan_sizes(s, 1200.0, 60.0, Rates(**{**vars(RATES), "data_gen_s_per_sample": 3.0}))
+    assert slower["n_prompts"] < plan["n_prompts"]
+    assert "training prompts" in plan_text(plan) and "s/sample" in plan_text(plan)
+
+
+def test_plan_that_cannot_fit_says_so():
+    s = sizes(compose("demo", []))
+    plan = plan_sizes(s, budget_s=120.0, spent_s=100.0, rates=RATES)
+    assert plan["n_prompts"] == MIN_PROMPTS and not plan["fits"]
+    assert "overrun" in plan_text(plan)
+
+
+def test_budget_applies_only_to_the_budgeted_flavour_and_unfixed_sizes():
+    assert sizes(compose("demo", []))["budget"] is True
+    assert sizes(compose("demo", ["budget_min=null"]))["budget"] is False
+    assert sizes(compose("demo", ["n_prompts=100"]))["budget"] is False
+    assert sizes(compose("demo", ["flavour=smollm2-fixed"]))["budget"] is False
+    fixed = sizes(compose("demo", ["flavour=smollm2-fixed"]))
+    assert (fixed["n_prompts"], fixed["train_steps"]) == (480, 960)
+
+
+def test_rates_from_a_calibration_run(tmp_path):
+    (tmp_path / "head").mkdir()
+    (tmp_path / "head" / "metrics.jsonl").write_text(
+        "\n".join(json.dumps({"step": i + 1, "step_s": t}) for i, t in enumerate([3.0, 0.5, 0.4, 0.6])) + "\n")
+    report = {"target_only_tokens_per_s": 10.0, "speculative_tokens_per_s": 20.0,
+              "baselines": {"ngram": {"tokens_per_s": 10.0}}}
+    calib = {"seconds": {"data_gen": 37.0, "train": 10.0, "eval": 20.0}, "report": report}
+    cs = {"n_prompts": 32, "eval_prompts": 1, "eval_max_new_tokens": 32, "repeats": 1}
+    r = measured_rates(calib, tmp_path, cs, load_s=4.0)
+    assert r.data_gen_s_per_sample == pytest.approx(33.0 / 33)
+    assert r.train_step_s == 0.5  # median of the steps after the first
+    assert r.train_fixed_s == pytest.approx(10.0 - 4.5)
+    assert r.eval_s_per_token == pytest.approx(0.1 + 0.05 + 0.1)
+    assert r.eval_fixed_s == pytest.approx(20.0 - 0.25 * 32)
+
+
+@pytest.mark.timeout(300)
+def test_budgeted_tiny_demo_calibrates_plans_and_reuses_its_plan(tmp_path, monkeypatch):
+    monkeypatch.setitem(FLAVOURS, "tiny", dict(FLAVOURS["tiny"], budget=True))
+    cfg = compose("demo", ["flavour=tiny", f"out={tmp_path}", "progress=false", "budget_min=0.05"])
+    result = run(cfg)
+    plan = json.loads((tmp_path / "plan.json").read_text())["plan"]
+    assert result["plan"]["n_prompts"] == plan["n_prompts"] == MIN_PROMPTS  # 3 s cannot hold more
+    assert not plan["fits"] and plan["rates"]["train_step_s"] > 0 and plan["rates"]["data_gen_s_per_sample"] > 0
+    assert (tmp_path / "calibration" / "eval" / "report.json").is_file()
+    manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
+    assert manifest["counts"]["prompts"] == MIN_PROMPTS + FLAVOURS["tiny"]["eval_prompts"]
+    assert result["train"]["steps"] == plan["train_steps"]
+    again = run(cfg)  # the saved plan is reused: same sizes, so every stage is complete
+    assert again["plan"]["n_prompts"] == plan["n_prompts"] and again["skipped"] == ["data_gen", "train", "eval"]
