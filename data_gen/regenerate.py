@@ -8,9 +8,10 @@ Backends (looked up in BACKENDS):
   hf      built in: draftsmith.data_gen.batching's continuous batching (a static KV cache whose
           rows, as their answers end, are refilled with waiting prompts).
   openai  any OpenAI-compatible server (`vllm serve`, SGLang): POST /v1/chat/completions with
-          bounded concurrency.
-A backend's `chat(conversations, seeds, done=None)` returns one answer per conversation (None:
-failed) and calls `done(j)` as answer j is ready, for progress.
+          bounded concurrency; 429 / 408 / 5xx / dropped connections / timeouts are retried with
+          backoff (backend.retries, backend.backoff_s, backend.backoff_max_s; draftsmith.retry).
+A backend's `chat(conversations, seeds, done=None)` returns one answer per conversation (a `Failed`,
+or None, when it gave up: not text) and calls `done(j)` as answer j is ready, for progress.
 
 Sampling (draftsmith.sampling: the rule eval's decoder uses too) is reproducible per sample: each
 conversation turn draws from its own generator, seeded from (seed, sample id, turn), so the same
@@ -19,12 +20,15 @@ sample gets the same answer whatever batch or rank it lands in.
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 from draftsmith import DraftsmithError
 from draftsmith.data_gen.batching import generate_tokens
 from draftsmith.data_gen.config import BackendConfig
+from draftsmith.retry import Backoff, Transient, call, retry_after_s, retryable_status
 from draftsmith.sampling import SamplingConfig, hash_seed
 
 
@@ -46,52 +50,248 @@ class HFBackend:
     def chat(self, conversations: list[list[dict]], seeds: list[int], done=None) -> list[str | None]:
         """The answer to each conversation (None: failed); `done(j)` is called as answer j is ready."""
         tok = self.target.tokenizer
-        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+        from draftsmith.data_gen.tokenize import apply_chat_template
+
+        prompts = [apply_chat_template(tok, c, tokenize=False, add_generation_prompt=True) for c in conversations]
         ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         outs = generate_tokens(self.target, ids, self.params, seeds, self.cfg.batch_size,
                                self.cfg.prune_finished, desc="regenerate", done=done)
         return [tok.decode(o, skip_special_tokens=True) for o, _ in outs]
 
 
+@dataclass(frozen=True)
+class Failed:
+    """What a backend returns in place of an answer it gave up on: the last error ("HTTP 503: overloaded",
+    "timed out after 30 s", ...) and how many tries it made. Falsy, like the None it replaces."""
+
+    reason: str
+    tries: int = 1
+
+    @property
+    def kind(self) -> str:
+        """The reason without its detail ("HTTP 503"): what failures are grouped by."""
+        return self.reason.split(": ", 1)[0]
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        return self.reason + (f" (after {self.tries} tries)" if self.tries > 1 else "")
+
+
+class _Refused(Exception):
+    """A request that will not get better by asking again (4xx other than 408 / 429, a bad URL)."""
+
+
+class _CannotConnect(Exception):
+    """Nothing listens at the URL (connection refused, unknown host)."""
+
+
+_DEADLINE = threading.local()  # .at: time.monotonic() by which this thread's request must be finished
+
+
+def _bounded(timeout, error):
+    """A socket operation's timeout, shortened to what is left of this thread's deadline (error once it passed)."""
+    at = getattr(_DEADLINE, "at", None)
+    if at is None:
+        return timeout
+    left = at - time.monotonic()
+    if left <= 0:
+        import httpcore
+
+        raise getattr(httpcore, error)("the request's deadline passed")
+    return left if timeout is None else min(timeout, left)
+
+
+class _DeadlineStream:
+    """httpcore network stream whose every read / write waits no longer than the request's deadline, so
+    timeout_s bounds a whole request even against a server that trickles one byte at a time."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def read(self, max_bytes: int, timeout=None) -> bytes:
+        return self._stream.read(max_bytes, _bounded(timeout, "ReadTimeout"))
+
+    def write(self, buffer: bytes, timeout=None) -> None:
+        self._stream.write(buffer, _bounded(timeout, "WriteTimeout"))
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def start_tls(self, ssl_context, server_hostname=None, timeout=None):
+        return _DeadlineStream(self._stream.start_tls(ssl_context, server_hostname, _bounded(timeout, "ConnectTimeout")))
+
+    def get_extra_info(self, info: str):
+        return self._stream.get_extra_info(info)
+
+
+class _DeadlineBackend:
+    """httpcore network backend handing out _DeadlineStreams (connection pooling is kept)."""
+
+    def __init__(self, backend):
+        self._backend = backend
+
+    def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+        return _DeadlineStream(self._backend.connect_tcp(host, port, _bounded(timeout, "ConnectTimeout"),
+                                                         local_address, socket_options))
+
+    def connect_unix_socket(self, path, timeout=None, socket_options=None):
+        return _DeadlineStream(self._backend.connect_unix_socket(path, _bounded(timeout, "ConnectTimeout"),
+                                                                 socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._backend.sleep(seconds)
+
+
+def _bound_by_deadline(client) -> bool:
+    """Route the client's connections (its own transport and any proxy mounts) through _DeadlineBackend;
+    False when this httpx / httpcore keeps its pools elsewhere (timeout_s then bounds each read only)."""
+    done = False
+    for transport in [client._transport, *getattr(client, "_mounts", {}).values()]:
+        pool = getattr(transport, "_pool", None)
+        backend = getattr(pool, "_network_backend", None)
+        if backend is not None:
+            if not isinstance(backend, _DeadlineBackend):
+                pool._network_backend = _DeadlineBackend(backend)
+            done = done or transport is client._transport
+    return done
+
+
+def _snippet(text: str, n: int = 160) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def _server_message(r) -> str:
+    """What the server said about an error: OpenAI's error.message, vLLM's message, FastAPI's detail, or its text."""
+    try:
+        obj = r.json()
+    except ValueError:
+        obj = None
+    msg = None
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict):
+            msg = err.get("message")
+        elif isinstance(err, str):
+            msg = err
+        if msg is None:
+            msg = obj.get("message", obj.get("detail"))
+    return _snippet(r.text if msg is None else msg)
+
+
 class OpenAIBackend:
-    """Any OpenAI-compatible server: one /chat/completions request per turn, `concurrency` in flight."""
+    """Any OpenAI-compatible server: one /chat/completions request per turn, `concurrency` in flight.
+
+    Each try of a request must finish within `timeout_s` (connect to last byte). 429, 408, 5xx, a
+    dropped or reset connection and a timeout are tried again, up to `retries` times, after a jittered
+    exponential backoff (draftsmith.retry; a Retry-After is honoured up to `backoff_max_s`); a retry
+    waits in its worker, so no more than `concurrency` requests are ever in flight. Other 4xx are not
+    retried. A conversation that still fails comes back as a `Failed` (its last error), not an answer.
+    """
 
     def __init__(self, target, cfg: BackendConfig, params: SamplingParams):
         import httpx
 
         self.cfg, self.params = cfg, params
         self.url = cfg.url.rstrip("/")
-        self.client = httpx.Client(timeout=cfg.timeout_s)
+        self.backoff = Backoff(retries=cfg.retries, base_s=cfg.backoff_s, max_s=cfg.backoff_max_s)
+        n = max(1, cfg.concurrency)
+        self.client = httpx.Client(timeout=cfg.timeout_s,
+                                   limits=httpx.Limits(max_connections=max(100, n), max_keepalive_connections=max(20, n)))
+        _bound_by_deadline(self.client)
+        self._down: str | None = None  # set once a request ran out of tries on a server nobody answers at
         self.model = cfg.model or self._first_model()
 
-    def _request(self, method: str, path: str, **kw):
+    def _try(self, method: str, path: str, **kw):
+        """One try: the response (status < 400); Transient for what may pass, _Refused for what will not."""
         import httpx
 
+        _DEADLINE.at = time.monotonic() + self.cfg.timeout_s
         try:
             r = self.client.request(method, self.url + path, **kw)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-            raise DraftsmithError(f"cannot reach the OpenAI-compatible server at {self.url} ({e}); "
-                                  f"start it or set backend.url.") from None
-        r.raise_for_status()
-        return r.json()
+        except httpx.TimeoutException:
+            raise Transient(f"timed out after {self.cfg.timeout_s:g} s") from None
+        except httpx.ConnectError as e:
+            raise _CannotConnect(str(e) or type(e).__name__) from None
+        except httpx.RemoteProtocolError as e:
+            raise Transient(f"connection dropped: {str(e) or type(e).__name__}") from None
+        except httpx.NetworkError as e:
+            raise Transient(f"connection reset: {str(e) or type(e).__name__}") from None
+        except httpx.TransportError as e:  # a URL httpx cannot use, a proxy error, ...
+            raise _Refused(f"request failed: {str(e) or type(e).__name__}") from None
+        finally:
+            _DEADLINE.at = None
+        if r.status_code >= 400:
+            why = f"HTTP {r.status_code}: {_server_message(r)}"
+            if retryable_status(r.status_code):
+                raise Transient(why, retry_after=retry_after_s(r.headers.get("Retry-After")))
+            raise _Refused(why)
+        return r
 
     def _first_model(self) -> str:
-        models = self._request("GET", "/models").get("data") or []
-        if not models:
-            raise DraftsmithError(f"the server at {self.url} lists no model; set backend.model.")
-        return models[0]["id"]
+        where = f"GET {self.url}/models"
+        skip = "set backend.model=<served model name> to skip the lookup"
 
-    def _one(self, messages: list[dict], seed: int) -> str | None:
-        import httpx
+        def once():
+            try:
+                return self._try("GET", "/models")
+            except _CannotConnect as e:
+                raise DraftsmithError(f"cannot reach the OpenAI-compatible server at {self.url} ({e}); "
+                                      f"start it or set backend.url.") from None
 
+        try:
+            r = call(once, self.backoff)
+        except Transient as e:
+            raise DraftsmithError(f"{where} failed after {e.attempts} tries ({e.reason}); check the server, "
+                                  f"or {skip}.") from None
+        except _Refused as e:
+            raise DraftsmithError(f"{where} was refused ({e}); backend.url must be the server's OpenAI base URL "
+                                  f"(usually ending in /v1), or {skip}.") from None
+        try:
+            obj = r.json()
+        except ValueError:
+            raise DraftsmithError(f"{where} answered text that is not JSON ({_snippet(r.text, 80)!r}); backend.url must be "
+                                  f"the server's OpenAI base URL (usually ending in /v1), or {skip}.") from None
+        listed = obj.get("data") if isinstance(obj, dict) else None
+        names = [m.get("id") for m in listed if isinstance(m, dict)] if isinstance(listed, list) else []
+        names = [m for m in names if isinstance(m, str) and m]
+        if not names:
+            raise DraftsmithError(f"the server at {self.url} lists no model ({where} answered "
+                                  f"{_snippet(r.text, 80)!r}); {skip}.")
+        return names[0]
+
+    def _post(self, body: dict):
+        try:
+            return self._try("POST", "/chat/completions", json=body)
+        except _CannotConnect as e:
+            raise Transient(f"cannot connect: {e}") from None
+
+    def _one(self, messages: list[dict], seed: int) -> str | Failed:
+        if self._down is not None:  # the server is gone: fail fast, a rerun asks again
+            return Failed(self._down, 0)
         body = {"model": self.model, "messages": messages, "max_tokens": self.params.max_new_tokens,
                 "temperature": self.params.temperature, "top_p": self.params.top_p, "seed": seed % (1 << 31)}
         try:
-            return self._request("POST", "/chat/completions", json=body)["choices"][0]["message"]["content"]
-        except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError):
-            return None  # counted as failed; the sample is left out
+            r = call(lambda: self._post(body), self.backoff)
+        except Transient as e:
+            if e.reason.startswith("cannot connect"):
+                self._down = e.reason
+            return Failed(e.reason, e.attempts)
+        except _Refused as e:
+            return Failed(str(e))
+        try:
+            content = r.json()["choices"][0]["message"]["content"]
+        except ValueError:
+            return Failed(f"reply is not JSON: {_snippet(r.text, 80)!r}")
+        except (KeyError, IndexError, TypeError):
+            return Failed(f"reply is not a chat completion: no choices[0].message.content in {_snippet(r.text, 80)!r}")
+        if not isinstance(content, str):
+            return Failed(f"reply is not text: message.content is {type(content).__name__} ({_snippet(repr(content), 40)})")
+        return content
 
-    def chat(self, conversations: list[list[dict]], seeds: list[int], done=None) -> list[str | None]:
+    def chat(self, conversations: list[list[dict]], seeds: list[int], done=None) -> list[str | Failed]:
         with ThreadPoolExecutor(max_workers=max(1, self.cfg.concurrency)) as pool:
             futures = {pool.submit(self._one, c, s): j for j, (c, s) in enumerate(zip(conversations, seeds))}
             for f in as_completed(futures):
@@ -128,10 +328,12 @@ def user_segments(messages: list[dict]) -> list[list[dict]]:
     return segments
 
 
-def regenerate_all(samples: list[dict], backend, seed: int, bar=None) -> list[list[dict] | None]:
+def regenerate_all(samples: list[dict], backend, seed: int, bar=None, errors: dict | None = None
+                   ) -> list[list[dict] | None]:
     """Every sample's regenerated messages, in order (None: a turn failed; []: no user turn, left out).
 
-    `bar.update(1)` per finished sample, as answers come back.
+    `bar.update(1)` per finished sample, as answers come back; `errors`, when given, gets
+    {sample index: Failed} for every failed sample (its last error).
     """
     segments = [user_segments(s["messages"]) for s in samples]
     history: list[list[dict] | None] = [[] for _ in samples]
@@ -143,8 +345,11 @@ def regenerate_all(samples: list[dict], backend, seed: int, bar=None) -> list[li
         done = None if bar is None else (lambda j: bar.update(1) if last[j] else None)
         answers = backend.chat(convs, seeds) if done is None else backend.chat(convs, seeds, done=done)
         for j, (i, conv, text) in enumerate(zip(live, convs, answers)):
-            history[i] = None if text is None else conv + [{"role": "assistant", "content": text}]
-            if text is None and bar is not None and not last[j]:
+            ok = isinstance(text, str)
+            history[i] = conv + [{"role": "assistant", "content": text}] if ok else None
+            if not ok and errors is not None:
+                errors[i] = text if isinstance(text, Failed) else Failed("no answer")
+            if not ok and bar is not None and not last[j]:
                 bar.update(1)  # a failed sample is finished too
     if bar is not None and not all(segments):
         bar.update(sum(not s for s in segments))  # nothing to answer ([]: left out, not failed)

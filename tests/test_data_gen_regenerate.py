@@ -123,10 +123,12 @@ def test_openai_backend(tiny_target, fake_server):
     FakeOpenAI.requests = []
     samples = [{"id": str(i), "category": "", "messages": [{"role": "user", "content": c}, {"role": "user", "content": "x"}]}
                for i, c in enumerate(["a", "fail", "b"])]
-    backend = make_backend(tiny_target, BackendConfig(kind="openai", url=fake_server, concurrency=2),
+    backend = make_backend(tiny_target, BackendConfig(kind="openai", url=fake_server, concurrency=2, retries=1,
+                                                      backoff_s=0.001, backoff_max_s=0.01),
                            SamplingParams(max_new_tokens=5))
     out, failed = regenerate(samples, backend, seed=0)
     assert failed == 1 and [s["id"] for s in out] == ["0", "2"]
+    assert sum(r["messages"][-1]["content"] == "fail" for r in FakeOpenAI.requests) == 2  # a 500 is tried again
     assert out[0]["messages"][1]["content"] == "re: a" and out[0]["messages"][3]["content"] == "re: x"
     assert {r["model"] for r in FakeOpenAI.requests} == {"fake-model"}
     assert all(r["max_tokens"] == 5 for r in FakeOpenAI.requests)
