@@ -41,6 +41,7 @@ from draftsmith.data_gen.target import torch_dtype
 
 INDEX = "index.json"
 RANK_INDEX = "index.rank{:05d}.json"  # a rank's finished shards, while ranks capture together
+WRITTEN = ("shard_*.safetensors", INDEX, "index.rank*.json")  # what capture writes in its folder (nothing else)
 TARGET_STATS = ("top", "lse")  # per position: the target's argmax token and the logsumexp of its logits
 
 

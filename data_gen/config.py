@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from draftsmith import DraftsmithError, checks
-from draftsmith.data_gen.target import DTYPES, TargetConfig
+from draftsmith.data_gen.target import DTYPES, TargetConfig, stage_target
 from draftsmith.sampling import SamplingConfig
 
 PROMPT_SOURCES = ("self", "sharegpt", "openai", "question", "hf")
@@ -76,7 +76,13 @@ class BackendConfig:
     url: str = "http://127.0.0.1:8000/v1"  # openai: the server's base URL
     model: Optional[str] = None  # served model name for the openai backend
     concurrency: int = 8  # openai: requests in flight
-    timeout_s: float = 600.0  # openai: seconds per request
+    timeout_s: float = 600.0  # openai: seconds per request try, connect to last byte (a total deadline)
+    # openai: tries after the first for a request that met 429, 408, 5xx, a dropped connection or a timeout
+    retries: int = 4
+    backoff_s: float = 1.0  # openai: wait before the first retry; doubles per retry (half to all of it, jittered)
+    backoff_max_s: float = 30.0  # openai: longest wait between tries, a server's Retry-After included
+    # share of prompts that may still fail after their retries without failing the run (0: none is dropped silently; a rerun asks again)
+    max_failed_share: float = 0.0
     # hf: a finished row takes the next waiting prompt at once (false: fixed batches wait for their longest answer)
     prune_finished: bool = True
 
@@ -85,6 +91,10 @@ class BackendConfig:
         checks.at_least("backend.batch_size", self.batch_size, 1)
         checks.at_least("backend.concurrency", self.concurrency, 1)
         checks.positive("backend.timeout_s", self.timeout_s)
+        checks.at_least("backend.retries", self.retries, 0)
+        checks.at_least("backend.backoff_s", self.backoff_s, 0)
+        checks.at_least("backend.backoff_max_s", self.backoff_max_s, self.backoff_s)
+        checks.in_range("backend.max_failed_share", self.max_failed_share, 0, 1)
 
 
 @dataclass
@@ -123,7 +133,7 @@ class FiltersConfig:
 
 @dataclass
 class DataGenConfig:
-    target: TargetConfig = field(default_factory=TargetConfig)
+    target: TargetConfig = field(default_factory=stage_target)
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     filters: FiltersConfig = field(default_factory=FiltersConfig)  # quality filters (filters.prompts / filters.answers)

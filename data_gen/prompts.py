@@ -23,6 +23,7 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.data_gen.config import PromptsConfig
+from draftsmith.data_gen.tokenize import apply_chat_template
 from draftsmith.sampling import hash_seed
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -207,7 +208,7 @@ def user_header(tokenizer, system: str | None = None) -> str:
     """The chat template rendered up to and including the user-turn header (e.g. `<|im_start|>user\\n`)."""
     marker = "\x00MAGPIE\x00"
     prefix_msgs = [{"role": "system", "content": system}] if system else []
-    rendered = tokenizer.apply_chat_template(prefix_msgs + [{"role": "user", "content": marker}], tokenize=False)
+    rendered = apply_chat_template(tokenizer, prefix_msgs + [{"role": "user", "content": marker}], tokenize=False)
     return rendered[: rendered.index(marker)]
 
 

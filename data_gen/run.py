@@ -11,7 +11,11 @@ Output (`out/`; see draftsmith.data_gen.dataset for the reader's contract):
 
   regenerated/                 the target's answers, one file per chunk of `regenerate_chunk` prompts
                                (chunk_NNNNN.json, written atomically as each chunk finishes); kept as
-                               a cache, so that other tokenization or capture settings regenerate nothing
+                               a cache, so that other tokenization or capture settings regenerate nothing;
+                               a prompt whose request still failed after backend.retries is saved as
+                               null, its last error under "failed", and is never done: every rerun asks
+                               for it again (more failed prompts than backend.max_failed_share of them
+                               end the run with one sentence, exit 2, after each is named on stderr)
   .data_gen.lock               while a run writes to `out`: its pid and host (a second run is refused)
 
 Ranks: with RANK / WORLD_SIZE set (torchrun), the prompts are cut into chunks of `regenerate_chunk`;
@@ -36,7 +40,8 @@ Resume: a rerun redoes only what its changed settings affect (a killed run is a 
                  the answers are equal: the target (weights, tokenizer, dtype), seed, temperature,
                  top_p, max_new_tokens, regenerate_chunk (the chunk bounds) and the backend (hf:
                  batch_size and prune_finished, since batch composition changes padding and so the
-                 floating-point numerics; openai: url and model, not concurrency or timeout_s);
+                 floating-point numerics; openai: url and model, not concurrency, timeout_s or the
+                 retry settings); its failed prompts (null) are asked again, the rest reused;
   tokenization   conversations/ and tokenized/ are reused when those and max_length, on_overflow,
                  reasoning and the answer filters (filters.*, when filters.answers) are equal (key in
                  `.data_gen_key`), else redone from regenerated/; self-written prompts are reused from
@@ -51,22 +56,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import socket
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from draftsmith import DraftsmithError
 from draftsmith import artifacts as mf
+from draftsmith.data_gen.capture import WRITTEN as CAPTURE_FILES
 from draftsmith.data_gen.capture import capture_hidden_states, finished_shards, num_shards, write_index
 from draftsmith.data_gen.filters import filter_answers
 from draftsmith.data_gen.prompts import filter_counts_text, load_prompts
+from draftsmith.data_gen.topk import WRITTEN as TOPK_FILES
 from draftsmith.data_gen.topk import capture_topk
 from draftsmith.data_gen.regenerate import SamplingParams, make_backend, regenerate_all
-from draftsmith.data_gen.target import load_target, torch_dtype
+from draftsmith.data_gen.target import load_target, resolve_target_dtype, torch_dtype
 from draftsmith.data_gen.tokenize import tokenize_samples
 from draftsmith.progress import progress
 
@@ -76,6 +83,10 @@ KEY = ".data_gen_key"  # what the finished tokenized set was made from (prompts 
 REGEN = "regenerated"  # finished regeneration chunks
 LOCK = ".data_gen.lock"  # held while a run writes to `out`
 FINALIZE = ".finalize.lock"  # in hidden_states/: held by the rank writing the final index and manifest (ranks)
+SUBFOLDERS = ("conversations", "tokenized", "hidden_states", "topk_logits", REGEN, "parts")  # what data-gen writes in out/
+# The names data-gen writes in each folder, whose temporaries a killed run may leave (a rerun removes them).
+TEMPORARIES = {"": (*SUBFOLDERS, "config.yaml", mf.MANIFEST, mf.OWNER, STATE, KEY),
+               REGEN: ("chunk_*.json", "self_prompts.json"), "hidden_states": CAPTURE_FILES, "topk_logits": TOPK_FILES}
 
 
 def rank_world() -> tuple[int, int]:
@@ -247,24 +258,29 @@ def _read_chunk(path: Path, key: str, count: int):
     return messages if isinstance(messages, list) and len(messages) == count else None
 
 
-def regenerate_chunks(cfg, target, samples: list[dict], folder: Path, settings: dict, chunk_ids) -> list:
+def regenerate_chunks(cfg, target, samples: list[dict], folder: Path, settings: dict, chunk_ids,
+                      failures: dict | None = None) -> list:
     """Regenerated messages of the samples of `chunk_ids`, in order (None: failed; []: no user turn).
 
     Chunk k is samples[k * C:(k + 1) * C] (C = regenerate_chunk); a finished chunk is saved to
-    `folder/chunk_NNNNN.json` atomically and reused by a later run with the same key.
+    `folder/chunk_NNNNN.json` atomically and reused by a later run with the same key, except its
+    failed prompts (null, their last error under "failed"): those are asked for again, every run.
+    `failures`, when given, gets {prompt index: Failed} for the prompts that failed in this run.
     """
     size = cfg.regenerate_chunk
     chunks = [(k, samples[k * size:(k + 1) * size]) for k in chunk_ids]
     total = sum(len(c) for _, c in chunks)
-    results, todo = {}, []
+    results, todo = {}, []  # todo: (k, chunk, key, indices to regenerate, saved messages or None)
     for k, chunk in chunks:
         key = _digest({"settings": settings, "chunk": k, "prompts": _prompt_fingerprint(chunk)})
         got = _read_chunk(folder / chunk_name(k), key, len(chunk))
         if got is None:
-            todo.append((k, chunk, key))
+            todo.append((k, chunk, key, list(range(len(chunk))), None))
+        elif any(m is None for m in got):  # failed prompts are never done
+            todo.append((k, chunk, key, [i for i, m in enumerate(got) if m is None], got))
         else:
             results[k] = got
-    reused = total - sum(len(c) for _, c, _ in todo)
+    reused = total - sum(len(redo) for *_, redo, _ in todo)
     if reused:
         print(f"regenerate: reusing {reused} of {total} prompts already regenerated in {folder}.",
               file=sys.stderr, flush=True)
@@ -273,12 +289,20 @@ def regenerate_chunks(cfg, target, samples: list[dict], folder: Path, settings: 
         backend = make_backend(target, cfg.backend, SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
                                                                  max_new_tokens=cfg.max_new_tokens))
         with progress(total=total, desc="regenerate", unit="prompt", initial=reused) as bar:
-            for k, chunk, key in todo:
-                messages = regenerate_all(chunk, backend, cfg.seed, bar)
+            for k, chunk, key, redo, got in todo:
+                errors: dict = {}
+                answers = regenerate_all(chunk if got is None else [chunk[i] for i in redo], backend, cfg.seed,
+                                         bar, errors)
+                messages = list(got) if got is not None else [None] * len(chunk)
+                for i, m in zip(redo, answers):
+                    messages[i] = m
                 mf.atomic_write_bytes(folder / chunk_name(k), json.dumps(
-                    {"key": key, "first": k * size, "count": len(chunk), "messages": messages},
+                    {"key": key, "first": k * size, "count": len(chunk), "messages": messages,
+                     "failed": {str(redo[j]): str(e) for j, e in sorted(errors.items())}},
                     ensure_ascii=False).encode())
                 results[k] = messages
+                if failures is not None:
+                    failures.update({k * size + redo[j]: e for j, e in errors.items()})
     return [m for k, _ in chunks for m in results[k]]
 
 
@@ -292,8 +316,10 @@ def generate_part(cfg, target, samples: list[dict], out: Path, settings: dict, c
     mine = [s for k in chunk_ids for s in samples[k * size:(k + 1) * size]]
     failed = 0
     if cfg.regenerate:
-        messages = regenerate_chunks(cfg, target, samples, out / REGEN, settings, chunk_ids)
+        failures: dict = {}
+        messages = regenerate_chunks(cfg, target, samples, out / REGEN, settings, chunk_ids, failures)
         failed = sum(m is None for m in messages)
+        check_failures(cfg, samples, failures, len(mine), out / REGEN)
         mine = [{**s, "messages": m} for s, m in zip(mine, messages) if m]
     mine, filtered = filter_answers(mine, cfg.filters) if cfg.filters.answers else (mine, {})  # data_gen/filters.py
     rows, counts = tokenize_samples(mine, target.tokenizer, target.eos_token_ids, cfg.max_length,
@@ -304,6 +330,52 @@ def generate_part(cfg, target, samples: list[dict], out: Path, settings: dict, c
     counts["failed"] += failed
     counts.update(filtered)
     return conversations, rows, counts
+
+
+def _failure_hint(kind: str) -> str:
+    """What else may help against the main failure, besides the rerun."""
+    if kind.startswith("timed out"):
+        return ", or raise backend.timeout_s"
+    if kind in ("HTTP 429", "HTTP 503"):
+        return ", or lower backend.concurrency / raise backend.retries"
+    if kind.startswith("HTTP 4") and kind != "HTTP 408":
+        return " once what the server refuses is fixed (a refused request is not retried: it fails again as it is)"
+    if kind.startswith("cannot connect"):
+        return " once the server is up"
+    if kind.startswith("reply is not"):
+        return " once backend.url names an OpenAI-compatible server (its replies are not chat completions)"
+    return ""
+
+
+def check_failures(cfg, samples: list[dict], failures: dict, prompts: int, folder: Path) -> None:
+    """Name every prompt whose regeneration still failed, with its last error (stderr), and refuse the run
+    (one sentence naming the main reason) when more than backend.max_failed_share of the `prompts` failed,
+    or all of them. Failed prompts are never recorded as done: a rerun asks for them again."""
+    if not failures:
+        return
+    n, share = len(failures), cfg.backend.max_failed_share
+    lines = [f"  prompt {i} (id {samples[i]['id']}): {e}" for i, e in sorted(failures.items())]
+    if n > 20:
+        lines = lines[:20] + [f"  ... and {n - 20} more (each with its last error under \"failed\" in "
+                              f"{folder}/chunk_*.json)"]
+    print(f"regenerate: {n} of {prompts} prompts failed (backend.retries={cfg.backend.retries}):", *lines,
+          sep="\n", file=sys.stderr, flush=True)
+    if n <= share * prompts and n < prompts:
+        print(f"regenerate: {n} failed prompts are within backend.max_failed_share={share:g}: the data is made "
+              f"without them; a rerun asks for them again.", file=sys.stderr, flush=True)
+        return
+    kinds = Counter(getattr(e, "kind", str(e)) for e in failures.values())
+    kind, count = kinds.most_common(1)[0]
+    i = min(j for j, e in failures.items() if getattr(e, "kind", str(e)) == kind)
+    where = f" at {cfg.backend.url}" if cfg.backend.kind == "openai" else ""
+    example = f"prompt {i} (id {samples[i]['id']}): {failures[i]}"
+    why = example if n == 1 else f"{kind} for {'all' if count == n else count} of them; e.g. {example}"
+    limit = ("none came back" if n == prompts else
+             f"more than backend.max_failed_share={share:g} allows")
+    kept = "" if n == prompts else f" and the answers that came back are saved in {folder}"
+    again = "them" if n == prompts else "only the failed prompts"
+    raise DraftsmithError(f"{n} of {prompts} prompts failed to regenerate{where} ({why}), {limit}; they are not "
+                          f"recorded as done{kept}: rerun the same command to retry {again}{_failure_hint(kind)}.")
 
 
 def _as_dict(node) -> dict:
@@ -416,15 +488,20 @@ def run(cfg) -> dict:
     t0 = time.perf_counter()
     out = mf.prepare_output(cfg.out, "data_gen", [("prompts.path", cfg.prompts.path), ("target", cfg.target.name)],
                             overwrite=bool(cfg.overwrite))
+    mf.refuse_links(out, SUBFOLDERS)  # never written (nor removed) through
     rank, world = rank_world()
     check_settings(cfg)  # before loading the target: nothing below may fail late on a bad setting
     if world > 1:
         use_rank_device(cfg)
+    dtype_why = resolve_target_dtype(cfg.target)  # target.dtype=auto -> this machine's choice, before any key uses it
     target = load_target(cfg.target, lazy=True)  # the weights load where first used (generation, capture)
     identity = target.identity()
     check_out_folder(out, identity)
     mf.claim_output(out, "data_gen")  # before the first write: a rerun then knows the folder as its own
     lock = acquire_lock(out, rank)
+    if world == 1:  # (ranks write the same folders at once: a temporary there may be another rank's, in use)
+        for name, names in TEMPORARIES.items():
+            mf.clean_temporaries(out / name, names)  # what a killed run left under draftsmith's temporary names
     finalize = None  # the lock of the rank that writes the final index and manifest (ranks, hidden states)
     try:
         samples, prompts_filtered = load_prompts_cached(cfg, target, identity, out)
@@ -461,7 +538,7 @@ def run(cfg) -> dict:
             mf.atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
         topk = capture_topk(cfg, target, out)  # draft distillation's offline signal (data_gen/topk.py)
         mf.write_manifest(out, stage="data_gen", target=identity, counts=counts, hidden_states=hidden,
-                          topk_logits=topk)
+                          topk_logits=topk, target_dtype={"dtype": cfg.target.dtype, "why": dtype_why})
     finally:
         if finalize is not None:
             release_lock(finalize)
@@ -524,7 +601,8 @@ def _num_chunks(cfg, samples: list) -> int:
 def build_sets(cfg, target, samples: list[dict], out: Path, settings: dict, key: str) -> None:
     """One process: regenerate (reusing finished chunks) and tokenize, unless a finished tokenized set
     made with the same key is there already."""
-    if (out / STATE).is_file() and (out / KEY).is_file() and (out / KEY).read_text() == key:
+    if (out / STATE).is_file() and (out / KEY).is_file() and (out / KEY).read_text() == key \
+            and not (cfg.regenerate and _chunks_with_failures(out)):
         return
     _unfinish(out)
     conversations, rows, counts = generate_part(cfg, target, samples, out, settings)
@@ -533,6 +611,19 @@ def build_sets(cfg, target, samples: list[dict], out: Path, settings: dict, key:
     write_sets(out, conversations, rows, _count(rows, counts, len(samples)), keep_order=False)
     mf.atomic_write_bytes(out / KEY, key.encode())
     _drop_extra_chunks(out, _num_chunks(cfg, samples))
+
+
+def _chunks_with_failures(out: Path) -> bool:
+    """Some saved regeneration chunk holds a failed prompt (null): a finished set made without it is not
+    done, a rerun asks for the prompt again."""
+    for f in (out / REGEN).glob("chunk_*.json"):
+        try:
+            messages = json.loads(f.read_bytes()).get("messages")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(messages, list) and any(m is None for m in messages):
+            return True
+    return False
 
 
 def _set_ready(out: Path, key: str) -> bool:
@@ -550,7 +641,9 @@ def build_part_or_merge(cfg, target, samples: list[dict], out: Path, settings: d
     (another rank merges) or "ready" (the tokenized set was already finished with this key: nothing
     regenerated nor merged, by any rank)."""
     if _set_ready(out, key):
-        return "ready", None
+        if not (cfg.regenerate and _chunks_with_failures(out)):
+            return "ready", None
+        (out / KEY).unlink(missing_ok=True)  # its failed prompts are asked again: no rank may take this set as done
     part = out / "parts" / f"rank{rank:05d}"
     chunk_ids = range(rank, _num_chunks(cfg, samples), world)
     n_mine = sum(len(samples[k * cfg.regenerate_chunk:(k + 1) * cfg.regenerate_chunk]) for k in chunk_ids)
@@ -565,7 +658,10 @@ def build_part_or_merge(cfg, target, samples: list[dict], out: Path, settings: d
     merge_parts(out, world)
     mf.atomic_write_bytes(out / KEY, key.encode())
     _drop_extra_chunks(out, _num_chunks(cfg, samples))
-    shutil.rmtree(out / "parts", ignore_errors=True)
+    try:
+        mf.remove_written(out / "parts", ("rank*", ".merge.lock"))  # (a user's file there stays)
+    except OSError:
+        pass
     return "merged", part_counts
 
 
@@ -617,8 +713,7 @@ def capture(cfg, target, out: Path, rank: int = 0, world: int = 1) -> dict | Non
     this rank's "captured" and "kept" shards.
     """
     if not cfg.hidden_states:
-        if (out / "hidden_states").exists():
-            shutil.rmtree(out / "hidden_states")
+        mf.remove_written(out / "hidden_states", (*CAPTURE_FILES, FINALIZE))  # an earlier run's; not a user's file
         return None
     import datasets
 

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, machine
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -48,7 +48,9 @@ HF_PLACEHOLDER = "<set target.name>"
 class TargetConfig:
     name: str = "smollm2"  # smollm2 | tiny | an HF folder or hub id | a .gguf file
     revision: Optional[str] = None  # hub revision (branch, tag or commit) of an HF target
-    dtype: str = "float32"  # float32 | bfloat16 | float16 | float64 (fp32 | bf16 | fp16)
+    # auto (bf16 on a CUDA device with bf16 and on a CPU with fast native bf16 matmul, else float32: draftsmith.machine)
+    # | float32 | bfloat16 | float16 | float64 (fp32 | bf16 | fp16); the stages default to auto, TargetConfig() to float32
+    dtype: str = "float32"
     device: str = "cpu"  # cpu | cuda | cuda:<index> | mps
     # A Jinja chat template (string or path to a file) for tokenizers that ship none.
     chat_template: Optional[str] = None
@@ -62,7 +64,7 @@ class TargetConfig:
         if not self.name:
             raise DraftsmithError("target.name is empty: name a preset (smollm2, tiny), an HF folder or hub id, "
                                   "or a .gguf file.")
-        checks.one_of("target.dtype", self.dtype, DTYPES)
+        checks.one_of("target.dtype", self.dtype, ("auto", *DTYPES))
         checks.device("target.device", self.device)
         for i in self.aux_layer_ids or []:
             checks.at_least("target.aux_layer_ids entry", i, 0)
@@ -77,6 +79,25 @@ def torch_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise DraftsmithError(f"dtype {name!r} is not one of {sorted(DTYPES)}.")
     return DTYPES[name]
+
+
+def stage_target() -> TargetConfig:
+    """The target of a stage's config (data-gen, train, eval): dtype auto, resolved when the stage runs."""
+    return TargetConfig(dtype="auto")
+
+
+def resolve_target_dtype(cfg: TargetConfig) -> str:
+    """Replace target.dtype=auto by the dtype this machine computes fastest in on target.device (in place, so
+    the saved config and every setting keyed by the dtype name the one used); returns why (draftsmith.machine)."""
+    dtype, why = machine.resolve_dtype(cfg.dtype, cfg.device)
+    if cfg.dtype == "auto":
+        cfg.dtype = machine.dtype_name(dtype)
+    return why
+
+
+def model_dtype(cfg: TargetConfig) -> torch.dtype:
+    """The dtype the target's weights are loaded in (auto decided by draftsmith.machine)."""
+    return machine.resolve_dtype(cfg.dtype, cfg.device)[0]
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -233,7 +254,7 @@ def load_target(cfg: TargetConfig, lazy: bool = False) -> Target:
         tokenizer.pad_token = tokenizer.eos_token
 
     def build() -> PreTrainedModel:
-        return loaded.build().to(device=cfg.device, dtype=torch_dtype(cfg.dtype))
+        return loaded.build().to(device=cfg.device, dtype=model_dtype(cfg))
 
     target = Target(None, tokenizer, target_id=name, target_hash=loaded.target_hash, aux_layer_ids=cfg.aux_layer_ids,
                     config=loaded.config, generation_config=loaded.generation_config, load_model=build)
@@ -253,7 +274,65 @@ def _generation_config(name: str | os.PathLike, revision: Optional[str] = None):
                                                 _from_model_config=True)
 
 
+# Files of a model folder that may name the folder's own code (transformers' auto_map), in the order they are read
+CODE_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
+
+
+def code_file(name: str | os.PathLike) -> Optional[str]:
+    """The first file of a local model folder whose JSON has an `auto_map` (code transformers would import), if any."""
+    for file in CODE_FILES:
+        path = Path(name) / file
+        try:
+            if "auto_map" in json.loads(path.read_text()):
+                return str(path)
+        except (OSError, ValueError, TypeError):
+            continue
+    return None
+
+
+class remote_code_refused:
+    """`with remote_code_refused(name, what, fix):` around a transformers from_pretrained: transformers' refusal
+    of a folder or Hub repo that needs its own code (auto_map, and no trust_remote_code) becomes one sentence
+    naming the file and `fix`. The one place this is said, for targets and draft models."""
+
+    def __init__(self, name: str | os.PathLike, what: str, fix: str):
+        self.name, self.what, self.fix = str(name), what, fix
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if not (isinstance(error, ValueError) and "trust_remote_code" in str(error)):
+            return False
+        file = code_file(self.name) if Path(self.name).is_dir() else None
+        where = f"{file} ({self.what} {self.name!r})" if file else f"{self.what} {self.name!r} (on the Hub)"
+        raise DraftsmithError(f"{where} names its own code to run (auto_map); {self.fix}.") from None
+
+
+TARGET_CODE_FIX = ("draftsmith runs it only with target.trust_remote_code=true: pass that only if you have read and "
+                   "trust the code, or use a model transformers supports without it")
+
+
+def template_source(cfg: TargetConfig, name: str) -> str:
+    """Where the target's chat template comes from, for sentences about it: a file when there is one."""
+    if cfg.chat_template:
+        return str(cfg.chat_template) if os.path.isfile(cfg.chat_template) else "target.chat_template (the string given)"
+    if name == "smollm2":
+        return str(smollm2_gguf_path())
+    if name in PRESETS:
+        return f"the built-in template of target={name}"
+    if name.endswith(".gguf"):
+        return name
+    if Path(name).is_dir():
+        for file in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
+            if (Path(name) / file).is_file():
+                return str(Path(name) / file)
+    return f"the tokenizer of {name} (Hub)"
+
+
 def _with_chat_template(tokenizer, cfg: TargetConfig, name: str):
+    from draftsmith.data_gen.tokenize import apply_chat_template
+
     if cfg.chat_template:
         template = cfg.chat_template
         if os.path.isfile(template):
@@ -263,6 +342,9 @@ def _with_chat_template(tokenizer, cfg: TargetConfig, name: str):
         raise DraftsmithError(
             f"the tokenizer of target {name!r} has no chat template; give one with target.chat_template=<file or string>."
         )
+    tokenizer.draftsmith_template_source = template_source(cfg, name)
+    # a template that cannot render one user turn fails every prompt: say so now, before any work
+    apply_chat_template(tokenizer, [{"role": "user", "content": "Hello."}], tokenize=False, add_generation_prompt=True)
     return tokenizer
 
 
@@ -272,14 +354,22 @@ def _load_hf(name: str, cfg: TargetConfig):
         raise DraftsmithError(
             f"unknown target {name!r}: not a preset ({', '.join(PRESETS)}), not a .gguf file, not an HF folder."
         )
+    if is_dir:
+        from draftsmith.heads.checkpoint import check_weights_file
+
+        for f in sorted(Path(name).glob("*.safetensors")):
+            check_weights_file(f, links_ok=True)  # a Hub cache snapshot is all links
+    code = remote_code_refused(name, "target", TARGET_CODE_FIX)
     try:
-        config = AutoConfig.from_pretrained(name, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+        with code:
+            config = AutoConfig.from_pretrained(name, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
         raise DraftsmithError(
             f"unknown target {name!r}: not a preset ({', '.join(PRESETS)}), not a .gguf file, "
             f"and transformers could not load it as an HF folder or hub id ({str(e).splitlines()[0]})."
         ) from None
-    tokenizer = AutoTokenizer.from_pretrained(name, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    with code:
+        tokenizer = AutoTokenizer.from_pretrained(name, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     h = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode())
     if is_dir:
         for f in sorted(Path(name).glob("*.safetensors")):
@@ -288,8 +378,9 @@ def _load_hf(name: str, cfg: TargetConfig):
         h.update(f"{name}@{cfg.revision or 'main'}".encode())
 
     def build():
-        return AutoModelForCausalLM.from_pretrained(
-            name, revision=cfg.revision, dtype=torch_dtype(cfg.dtype), trust_remote_code=cfg.trust_remote_code)
+        with code:
+            return AutoModelForCausalLM.from_pretrained(
+                name, revision=cfg.revision, dtype=model_dtype(cfg), trust_remote_code=cfg.trust_remote_code)
 
     return _Loaded(tokenizer, h.hexdigest()[:16], config, _generation_config(name, cfg.revision), build)
 
@@ -317,7 +408,7 @@ def _load_gguf(path: Path, cfg: TargetConfig):
         _cache_gguf_as_safetensors(path, cached)
     tokenizer = AutoTokenizer.from_pretrained(cached)
     return _Loaded(tokenizer, digest, AutoConfig.from_pretrained(cached), _generation_config(cached),
-                   lambda: AutoModelForCausalLM.from_pretrained(cached, dtype=torch_dtype(cfg.dtype)))
+                   lambda: AutoModelForCausalLM.from_pretrained(cached, dtype=model_dtype(cfg)))
 
 
 def _cache_gguf_as_safetensors(path: Path, cached: Path) -> None:

@@ -16,8 +16,40 @@ import re
 THINK = re.compile(r"<think>.*?</think>\s*", flags=re.DOTALL)
 
 
+def apply_chat_template(tokenizer, messages: list[dict], **kwargs):
+    """`tokenizer.apply_chat_template` (transformers renders it in Jinja's sandbox): the one place draftsmith renders
+    a chat template, so that a template that raises, does not parse, passes the sandbox's limits or tries to leave
+    it is one sentence naming the template's file (`draftsmith_template_source`, set when the target loads)."""
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except (jinja2.TemplateError, OverflowError, RecursionError) as e:
+        from draftsmith import DraftsmithError
+
+        raise DraftsmithError(template_error(tokenizer, e)) from None
+
+
+def template_error(tokenizer, e: Exception) -> str:
+    import jinja2.exceptions as jx
+
+    source = getattr(tokenizer, "draftsmith_template_source", None) or "the tokenizer's chat_template"
+    text = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, jx.TemplateSyntaxError):
+        why = f"does not parse (line {e.lineno}: {text})"
+    elif isinstance(e, jx.SecurityError):
+        why = f"tried to reach past Jinja's sandbox, which refused ({text})"
+    elif isinstance(e, OverflowError):
+        why = f"went past the sandbox's limits ({text})"
+    elif isinstance(e, RecursionError):
+        why = "recursed without end"
+    else:
+        why = f"raised an error: {text}"
+    return f"the chat template in {source} {why}; fix that template or give another with target.chat_template=<file>."
+
+
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return apply_chat_template(tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 def strip_reasoning(messages: list[dict]) -> list[dict]:

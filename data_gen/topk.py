@@ -19,18 +19,18 @@ costs 8k + 4 bytes (k = 64: 516 bytes; the data's manifest states it).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.data_gen.capture import shard_name, tokens_hash
-from draftsmith.artifacts import atomic_write_bytes, atomic_write_json
+from draftsmith.artifacts import atomic_write_bytes, atomic_write_json, remove_written
 from draftsmith.progress import progress
 
 FOLDER = "topk_logits"
 INDEX = "index.json"
+WRITTEN = ("shard_*.safetensors", INDEX)  # what the cache writes in its folder (nothing else)
 
 
 def bytes_per_token(k: int) -> int:
@@ -111,8 +111,7 @@ def capture_topk_logits(target, input_ids: list[list[int]], folder: str | Path, 
 def capture_topk(cfg, target, out: Path) -> dict | None:
     """data-gen's step: the cache for out/tokenized (topk_logits=true), else None (and no stale cache)."""
     if not cfg.topk_logits:
-        if (out / FOLDER).exists():
-            shutil.rmtree(out / FOLDER)
+        remove_written(out / FOLDER, WRITTEN)  # an earlier run's cache; a user's file there stays
         return None
     import datasets
 

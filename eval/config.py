@@ -7,11 +7,12 @@ from typing import Optional
 
 from draftsmith import DraftsmithError, checks
 from draftsmith.data_gen.config import PromptSetConfig
-from draftsmith.data_gen.target import TargetConfig
+from draftsmith.data_gen.target import TargetConfig, stage_target
 from draftsmith.eval.decoder import DraftingConfig
 from draftsmith.sampling import SamplingConfig
 
 BASELINES = ("ngram", "hf_generate", "hf_assisted")
+ENGINES = ("builtin", "vllm")  # where the figures are measured (eval/engine_vllm.py: vLLM beside the built-in decoder)
 
 
 @dataclass
@@ -39,15 +40,11 @@ class EvalPromptsConfig(PromptSetConfig):
             raise DraftsmithError(f"prompts.source={self.source} needs prompts.path=<file or folder>.")
 
 
-def _eval_target() -> TargetConfig:
-    # bf16, as serving engines run the target (and its verification costs less next to one step than in fp32);
-    # target.dtype=float32 keeps greedy speculative output token-identical to target-only decoding.
-    return TargetConfig(dtype="bfloat16")
-
-
 @dataclass
 class EvalConfig:
-    target: TargetConfig = field(default_factory=_eval_target)
+    # target.dtype=auto: what this machine runs fastest (the report records why, and the cost model's measured
+    # t_verify(K+1) / t_step in that dtype); float32 keeps greedy speculative output token-identical to target-only.
+    target: TargetConfig = field(default_factory=stage_target)
     prompts: EvalPromptsConfig = field(default_factory=EvalPromptsConfig)
     # The drafter: an EAGLE-3 checkpoint / exported folder, an HF draft-model folder, `ngram`, or
     # `none` (target-only decoding only).
@@ -85,6 +82,9 @@ class EvalConfig:
     cuda_graph: bool = True  # on CUDA: replay each target pass of up to 65 tokens from a CUDA graph (no-op on CPU)
     progress: bool = True  # show a progress bar
     plot: bool = True  # write the acceptance / speedup plot
+    # builtin: draftsmith's decoder only; vllm: also decode the same prompts in vLLM (its venv: bash scripts/setup.sh
+    # --engine) and report its tau, acceptance, tokens/s, speedup and best K beside the built-in decoder's
+    engine: str = "builtin"  # builtin | vllm (the same prompts measured inside vLLM too, greedy, chain drafting)
 
     def __post_init__(self):
         if not self.head:
@@ -95,6 +95,7 @@ class EvalConfig:
             checks.in_range("sweep_k", k, 1, 64)
         checks.at_least("cost_repeats", self.cost_repeats, 1)
         checks.at_least("near_tie_eps", self.near_tie_eps, 0)
+        checks.one_of("engine", self.engine, ENGINES)
         if self.ngram_first and self.head in ("ngram", "none"):
             raise DraftsmithError(f"ngram_first=true needs a head folder to fall back on, not head={self.head}.")
 

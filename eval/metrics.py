@@ -82,6 +82,8 @@ class Sample:
     divergence: Optional[dict] = None
     draft_seconds: float = 0.0  # median over repeats of the seconds spent in the proposer (the cost model's t_draft)
     draft_sizes: list[int] = field(default_factory=list)  # draft nodes per verification (first run)
+    tokens: list[int] = field(default_factory=list)  # what was emitted (first run): engine=vllm compares outputs
+    prompt_ids: list[int] = field(default_factory=list)  # the prompt it answered: engine=vllm decodes the same ids
 
     @property
     def emitted_tokens(self) -> int:

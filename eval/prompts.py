@@ -21,6 +21,7 @@ from typing import Iterable, Optional
 
 from draftsmith import DraftsmithError
 from draftsmith.data_gen.prompts import from_openai, from_sharegpt, read_conversations, skipped_text, with_user_turn
+from draftsmith.data_gen.tokenize import apply_chat_template
 
 SOURCES = ("question", "sharegpt", "openai", "holdout")
 
@@ -151,7 +152,7 @@ def render(tokenizer, prompt: EvalPrompt, answers: list[str]) -> list[int]:
     for i, answer in enumerate(answers):
         messages += [{"role": "user", "content": prompt.turns[i]}, {"role": "assistant", "content": answer}]
     messages.append({"role": "user", "content": prompt.turns[len(answers)]})
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = apply_chat_template(tokenizer, messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)

@@ -59,6 +59,7 @@ def markdown(report: dict) -> str:
         f"{report['n_samples']} decoded turns, {report['new_tokens']} new tokens, max_new_tokens {report['max_new_tokens']}",
         f"- timing: median of {report['repeats']} runs, {report['warmup_prompts']} warm-up prompt(s) excluded",
         f"- hardware: {report['hardware']['cpu']} ({report['hardware']['cpu_cores']} cores), device {report['hardware']['device']}",
+        *dtype_lines(report),
         "- software: " + ", ".join(f"{k} {v}" for k, v in report["software"].items()),
         "",
         "| category | n | tau | target-only tok/s | speculative tok/s | speedup |",
@@ -87,9 +88,23 @@ def markdown(report: dict) -> str:
                   "| tokens emitted | " + " | ".join(hist) + " |",
                   "|---|" + "---:|" * len(hist),
                   "| verifications | " + " | ".join(str(c) for c in hist.values()) + " |"]
-    lines += cost_lines(report) + greedy_lines(report)
+    lines += cost_lines(report) + greedy_lines(report) + engine_lines(report)
     lines += ["", "## Conventions", "", report["conventions"], ""]
     return "\n".join(lines)
+
+
+def dtype_lines(report: dict) -> list[str]:
+    """`- target dtype: bfloat16 (why); measured here: verifying K+1 = 4 tokens costs 1.07 decode steps`."""
+    if not report.get("target_dtype"):
+        return []
+    line = f"- target dtype: {report['target_dtype']}"
+    if report.get("target_dtype_why"):
+        line += f" ({report['target_dtype_why']})"
+    cost = report.get("target_dtype_cost") or {}
+    if cost.get("verify_over_step") is not None:
+        line += (f"; measured here in {cost['dtype']}: verifying K+1 = {cost['verify_tokens']} tokens costs "
+                 f"{cost['verify_over_step']:.2f} decode steps (cost model)")
+    return [line]
 
 
 def _ms(x) -> str:
@@ -128,6 +143,34 @@ def cost_lines(report: dict) -> list[str]:
             e = rec.get(engine) or {}
             lines += [f"{'vLLM' if engine == 'vllm' else 'SGLang'}:", ""]
             lines += ["```bash", e["command"], "```", ""] if e.get("command") else [e.get("note", "-"), ""]
+    return lines
+
+
+def engine_lines(report: dict) -> list[str]:
+    """engine=vllm: the same prompts measured inside vLLM, each run beside the built-in decoder's figures."""
+    e = report.get("engine")
+    if not e:
+        return []
+    lines = ["", f"## vLLM {e['version']} (the same prompts, engine=vllm)", "",
+             f"- target {e['target']} in {e['dtype']}, greedy, each prompt alone; target-only output identical to "
+             f"the built-in decoder's: {_f(e['target_only_identical_to_builtin'])}; target-only "
+             f"{_f(e['target_only_tokens_per_s'], 1)} tok/s",
+             f"- counting: {e['counting']}", "",
+             "| run | loads | tau vLLM | tau built-in | per-position vLLM | per-position built-in | equal (tol) "
+             "| greedy identical | speedup vLLM | speedup built-in |", "|---|---|---:|---:|---|---|---|---:|---:|---:|"]
+    for name, r in e["runs"].items():
+        if not r.get("loaded"):
+            lines.append(f"| {name} | refused: {r.get('refused')} | - | - | - | - | - | - | - | - |")
+            continue
+        a = r.get("agreement") or {}
+        ours = " / ".join(_f(x, 3) for x in a.get("per_position_builtin", [])) or "-"
+        eq = f"{'yes' if a['equal'] else '**no**'} ({a['tolerance']})" if a else "-"
+        tb = _f(a["tau_builtin"], 3) if a else "-"
+        sb = f"{_f(r['builtin_speedup'])}x" if r.get("builtin_speedup") is not None else "-"
+        note = " (sequential fallback: no parallel_drafting)" if r.get("sequential_fallback") else ""
+        lines.append(f"| {name}{note} | yes | {_f(r['tau'], 3)} | {tb} | "
+                     f"{' / '.join(_f(x, 3) for x in r['per_position_acceptance'])} | {ours} | {eq} | "
+                     f"{_f(r['greedy_identical_to_engine_target_only'])} | {_f(r['speedup'])}x | {sb} |")
     return lines
 
 
@@ -170,6 +213,15 @@ def summary_lines(report: dict) -> str:
         for engine in ("vllm", "sglang"):
             if (rec.get(engine) or {}).get("command"):
                 lines.append(f"  {engine}: {rec[engine]['command']}")
+    e = report.get("engine") or {}
+    if e.get("tau") is not None:
+        a = e.get("agreement") or {}
+        lines.append(f"  vLLM {e['version']}: tau {e['tau']:.3f} (built-in {a.get('tau_builtin', float('nan')):.3f}, "
+                     f"counted as vLLM counts), speedup {e['speedup']:.2f}x, greedy identical "
+                     f"{e['greedy_identical_to_engine_target_only']:.2f}")
+    elif e:
+        lines.append(f"  vLLM {e['version']}: " + "; ".join(f"{n} refused: {r.get('refused')}"
+                                                          for n, r in e["runs"].items() if not r.get("loaded")))
     if report.get("greedy_identical_up_to_near_ties_fraction") is not None:
         lines.append(f"  greedy identical {report['greedy_identical_fraction']:.2f}, up to near-ties (margin < "
                      f"{report['near_tie_eps']}) {report['greedy_identical_up_to_near_ties_fraction']:.2f}")
@@ -189,7 +241,15 @@ def plot_png(report: dict) -> bytes:
     fig, axes = plt.subplots(1, 3 if table else 2, figsize=(16 if table else 11, 4))
     ax0, ax1 = axes[0], axes[1]
     acc = report["per_position_acceptance"]
-    ax0.bar(range(1, len(acc) + 1), acc, color="tab:blue")
+    engine = report.get("engine") or {}
+    if engine.get("per_position_acceptance"):  # engine=vllm: vLLM's bars beside the built-in decoder's
+        vl = engine["per_position_acceptance"]
+        ax0.bar([i + 1.2 for i in range(len(vl))], vl, width=0.4, color="tab:purple",
+                label=f"vLLM (tau {engine['tau']:.2f})")
+        ax0.bar([i + 0.8 for i in range(len(acc))], acc, width=0.4, color="tab:blue", label="built-in")
+        ax0.legend()
+    else:
+        ax0.bar(range(1, len(acc) + 1), acc, color="tab:blue")
     ax0.set_xticks(range(1, len(acc) + 1))
     ax0.set_ylim(0, 1)
     ax0.set_xlabel("draft position")
@@ -210,6 +270,11 @@ def plot_png(report: dict) -> bytes:
         ax2.plot(ks, [r["predicted_speedup"] for r in table], "o--", color="tab:gray", label="predicted (cost model)")
         meas = [(r["k"], r["measured_speedup"]) for r in table if r["measured_speedup"] is not None]
         ax2.plot([k for k, _ in meas], [v for _, v in meas], "s-", color="tab:green", label="measured")
+        method = report["method"]
+        vllm = sorted((r["k"], r["speedup"]) for name, r in engine.get("runs", {}).items()
+                      if r.get("loaded") and (name == method or name.startswith(f"{method}@K=")))
+        if vllm:
+            ax2.plot([k for k, _ in vllm], [v for _, v in vllm], "^-", color="tab:purple", label="measured in vLLM")
         ax2.axhline(1.0, color="gray", lw=0.8, ls=":")
         ax2.set_xticks(ks)
         ax2.set_xlabel("K (draft tokens per verification)")

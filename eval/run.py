@@ -25,12 +25,13 @@ from typing import Callable, Optional
 import torch
 from omegaconf import OmegaConf
 
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, machine
 from draftsmith import artifacts as mf
-from draftsmith.data_gen.target import Target, load_target
+from draftsmith.data_gen.target import Target, load_target, resolve_target_dtype
 from draftsmith.eval import metrics
 from draftsmith.eval.config import build_settings
 from draftsmith.eval.decoder import DraftingConfig, GenerationResult, Proposer, speculative_generate
+from draftsmith.eval.engine_vllm import engine_report
 from draftsmith.eval.prompts import EvalPrompt, load_prompts, render
 from draftsmith.eval.report import hardware, software_versions, summary_lines, write_report
 from draftsmith.eval.target_runner import TargetRunner
@@ -147,7 +148,8 @@ def to_sample(category: str, runs: list[GenerationResult]) -> metrics.Sample:
         seconds=metrics.median([x.prefill_s + x.decode_s for x in runs]),
         accepted=list(r.accepted_per_position), proposed=list(r.proposed_per_position),
         emitted_per_verification=list(r.emitted_per_verification),
-        draft_seconds=metrics.median([x.draft_s for x in runs]), draft_sizes=list(r.draft_sizes))
+        draft_seconds=metrics.median([x.draft_s for x in runs]), draft_sizes=list(r.draft_sizes),
+        tokens=list(r.tokens), prompt_ids=list(r.prompt_ids))
 
 
 def hf_generate_sample(model, tokenizer, prompt: EvalPrompt, cfg, eos: list[int],
@@ -195,6 +197,7 @@ class Setup:
     target: Target
     runner: TargetRunner  # the target with its static KV cache, shared by every method
     sweep: dict[str, DraftingConfig] = field(default_factory=dict)  # K-sweep rows: name -> their drafting
+    dtype_why: str = ""  # why the target runs in its dtype (draftsmith.machine: target.dtype=auto's choice)
 
     def decode(self, proposer: Optional[Proposer], prompt: EvalPrompt, method: str = "") -> list[GenerationResult]:
         drafting = self.sweep.get(method, self.drafting)
@@ -213,6 +216,8 @@ def run(cfg) -> dict:
     samples, hf_samples = decode_all(setup, proposers, drafter)
     report = build_report(setup, drafter, samples, hf_samples)
     report.update(cost_report(setup, drafter, samples, report))
+    if getattr(cfg, "engine", "builtin") == "vllm":  # the same prompts inside vLLM, its figures beside ours
+        report.update(engine_report(setup, drafter, samples, report, _hub_id(setup.target.target_id)))
     report["wall_s"] = round(time.perf_counter() - t0, 2)
     write_outputs(setup, drafter, report)
     return report
@@ -231,10 +236,11 @@ def prepare(cfg) -> Setup:
                                               ("target", cfg.target.name)],
                             overwrite=bool(getattr(cfg, "overwrite", False)))
     prompts = load_prompts(cfg.prompts)
+    dtype_why = resolve_target_dtype(cfg.target)  # target.dtype=auto -> this machine's choice (saved in config.yaml)
     target = load_target(cfg.target)
     max_len = runner_max_len(cfg, target.tokenizer, prompts, drafting)
     runner = TargetRunner(target.model, max_len, target.aux_layer_ids, cuda_graph=getattr(cfg, "cuda_graph", False))
-    return Setup(cfg, sampling, drafting, out, prompts, target, runner)
+    return Setup(cfg, sampling, drafting, out, prompts, target, runner, dtype_why=dtype_why)
 
 
 def method_proposers(cfg, drafter: Drafter) -> dict[str, Optional[Proposer]]:
@@ -364,6 +370,12 @@ def cost_report(setup: Setup, drafter: Drafter, samples: dict[str, list[metrics.
     best = cost.best_measured(table)
     out["cost_model"] = {"target": measured, "acceptance_per_position": acceptance, "acceptance_from_k": longest["k"],
                          "table": table, "formula": "speedup(K) = tau(K) * t_step / (t_verify(K+1) + t_draft(K))"}
+    # what the target's dtype costs here, measured (not assumed): one verification of K+1 tokens, in decode steps
+    k = d.num_speculative_tokens
+    verify = measured["verify_s"].get(str(k + 1))
+    ratio = verify / measured["step_s"] if verify is not None and measured["step_s"] else None
+    out["target_dtype_cost"] = {"dtype": str(setup.target.model.dtype).replace("torch.", ""), "k": k,
+                                "verify_tokens": k + 1, "verify_over_step": ratio}
     out["k_sweep"] = rows
     if best is not None:
         target_model = _hub_id(setup.target.target_id)
@@ -450,10 +462,12 @@ def build_report(setup: Setup, drafter: Drafter, samples: dict[str, list[metrics
         "speedup": overall["speedup"],
         "greedy_identical_fraction": (sum(identical) / len(identical)) if identical else None,
         "target_dtype": str(setup.target.model.dtype).replace("torch.", ""),
+        "target_dtype_why": setup.dtype_why,
         "cuda_graph": setup.runner.cuda_graph,
         "per_category": metrics.by_category(samples[main], base),
         "baselines": baseline_rows(samples, hf_samples, main, overall["target_only_tokens_per_s"]),
         "software": software_versions(),
         "hardware": hardware(cfg.target.device),
+        "machine": machine.machine_info(cfg.target.device),
         "conventions": metrics.CONVENTIONS,
     }

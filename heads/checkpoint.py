@@ -242,11 +242,54 @@ def config_from_json(config: dict, where: Path):
     return llama
 
 
+SAFETENSORS_MAX_HEADER = 100_000_000  # the safetensors library's own limit on the JSON header
+# Weights files draftsmith never loads: unpickling them can run any code
+PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model-*.bin", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+def check_weights_file(path: str | os.PathLike, *, links_ok: bool = False) -> Path:
+    """The one check every weights loader makes before a safetensors file is opened: refused in one sentence
+    naming the file and what to do when it is missing, a symbolic link (`links_ok` False: a link can point at
+    any file on this machine; a Hub cache folder, all links, passes links_ok=True), or not a complete safetensors
+    file (truncated, extra bytes, another format). Reads only the 8-byte length and the JSON header."""
+    path = Path(path)
+    if path.is_symlink() and not links_ok:
+        raise DraftsmithError(f"{path} is a symbolic link (to {os.readlink(path)}); draftsmith reads weights only "
+                              f"from a plain file in the folder, as a link can point at any file on this machine: "
+                              f"put the file itself there (or remove the link).")
+    if not path.is_file():
+        pickled = next((f for pattern in PICKLED_WEIGHTS for f in sorted(path.parent.glob(pattern))), None)
+        if pickled is not None:
+            raise DraftsmithError(f"{path.parent} has no {path.name}, only pickled weights ({pickled}), which draftsmith "
+                                  f"never loads (unpickling can run any code): convert them to safetensors where you "
+                                  f"trust the file (AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder, "
+                                  f"safe_serialization=True)) and pass the converted folder.")
+        raise DraftsmithError(f"{path.parent} has no {path.name}.")
+    size = path.stat().st_size
+    fix = "copy it again from where it came from, or rerun the stage that wrote it"
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else None
+        if length is None or length > min(size - 8, SAFETENSORS_MAX_HEADER):
+            raise DraftsmithError(f"{path} is truncated or not a safetensors file ({size} bytes, too short for the "
+                                  f"header it starts with); {fix}.")
+        try:
+            header = json.loads(f.read(length))
+            ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            raise DraftsmithError(f"{path} is not a safetensors file (its header is not a safetensors header); "
+                                  f"{fix}.") from None
+    need = 8 + length + max(ends, default=0)
+    if size != need:
+        said = "is truncated" if size < need else f"has {size - need} bytes after its last tensor"
+        raise DraftsmithError(f"{path} {said}: its header lists {need} bytes, the file has {size}; {fix}.")
+    return path
+
+
 def read_checked_tensors(path: Path, expected: dict[str, tuple[int, ...]], optional: tuple[str, ...] = (),
                          device="cpu") -> dict[str, torch.Tensor]:
     """Read `path` with safetensors, refusing a missing, unexpected or wrongly shaped tensor."""
-    if not path.is_file():
-        raise DraftsmithError(f"{path.parent} has no {path.name}.")
+    check_weights_file(path)
     with safe_open(str(path), framework="pt", device=str(device)) as f:
         names = set(f.keys())
         for name in expected:
@@ -310,7 +353,7 @@ def weights_sha256(folder: str | os.PathLike) -> str:
     import hashlib
 
     digest = hashlib.sha256()
-    with open(Path(folder) / WEIGHTS, "rb") as f:
+    with open(check_weights_file(Path(folder) / WEIGHTS), "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()

@@ -166,13 +166,50 @@ def check_same_tokenizer(tokenizer, vocab_size: int, name: str, target) -> None:
                               f"({why}); a draft must use the target's tokenizer and vocab.")
 
 
+DRAFT_CODE_FIX = ("draftsmith never runs a draft model's own code: use a draft model whose architecture and tokenizer "
+                  "transformers supports natively")
+
+
+def check_draft_weights(folder: Path, *, links_ok: bool = False) -> list[Path]:
+    """A draft-model folder's safetensors files (one, or the shards of one model), each checked by
+    heads.checkpoint.check_weights_file (which also refuses a folder holding only pickled weights)."""
+    from draftsmith.heads.checkpoint import WEIGHTS, check_weights_file
+
+    files = sorted(folder.glob("*.safetensors")) or [folder / WEIGHTS]
+    return [check_weights_file(f, links_ok=links_ok) for f in files]
+
+
+def load_draft_folder(folder: str | Path, *, dtype: Optional[torch.dtype] = None, links_ok: bool = False):
+    """An HF causal-LM folder as transformers loads it, but from checked safetensors only (never pickle) and
+    running none of the folder's code: what eval, export and publish load a draft-model head with. Its tokenizer
+    (what export copies) is read first, before the weights, and kept as `draftsmith_tokenizer`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftsmith.data_gen.target import remote_code_refused
+
+    folder = Path(folder)
+    check_draft_weights(folder, links_ok=links_ok)
+    with remote_code_refused(folder, "draft model", DRAFT_CODE_FIX):
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False) \
+            if (folder / "tokenizer_config.json").is_file() else None
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True, trust_remote_code=False)
+    model.draftsmith_tokenizer = tokenizer
+    return model
+
+
 def draft_from_model(name: str, target, lora: Optional[dict], train_embeddings: bool) -> DraftLM:
     """A draft initialised from the HF causal LM `name` (folder or hub id), which must share the target's tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from draftsmith.data_gen.target import remote_code_refused
+
+    if Path(name).is_dir():
+        check_draft_weights(Path(name), links_ok=True)  # a folder of the user's own (a Hub cache snapshot is links)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+        with remote_code_refused(name, "draft model", DRAFT_CODE_FIX):
+            tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, use_safetensors=True,
+                                                         trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise DraftsmithError(f"method.model={name!r} could not be loaded as an HF causal LM "
                               f"({str(e).splitlines()[0]}).") from None
@@ -219,12 +256,17 @@ def save_draft(drafter, folder, manifest_target: Optional[dict] = None, stage: s
 
 def _folder_tokenizer(model):
     """The tokenizer saved beside a loaded HF model (what export copies), or None."""
+    if getattr(model, "draftsmith_tokenizer", None) is not None:
+        return model.draftsmith_tokenizer  # read by load_draft_folder
     folder = Path(getattr(model, "name_or_path", "") or "")
     if not (folder / "tokenizer_config.json").is_file():
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(folder)
+    from draftsmith.data_gen.target import remote_code_refused
+
+    with remote_code_refused(folder, "draft model", DRAFT_CODE_FIX):
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
 
 # ---- publish: the model card's parts -------------------------------------------------------------------

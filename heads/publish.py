@@ -10,11 +10,19 @@ plot, serving commands) and `eval/` (the eval report and plot). The card's numbe
 an eval report of this very head (matched by the SHA-256 of its weights, which eval records);
 without one, publish refuses unless `allow_no_eval=true`. The upload is one commit through
 huggingface_hub; the token comes from HF_TOKEN or `hf auth login` and is never printed or written.
+
+What goes public is only what the folder means: no local path (the head's is replaced by the repo id, a local
+target's by base_model, the prompts file's by its name, any other under the home, working or input folders by
+its last part), and no file reached through a symbolic link (refused). Every Hub request has a timeout
+(`hub_timeout`); an offline, unreachable, slow or refusing Hub is one sentence saying what failed, what exists
+on the Hub now, and how to retry.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -22,8 +30,8 @@ from pathlib import Path
 from typing import Optional
 
 from draftsmith import DraftsmithError
-from draftsmith.artifacts import (MANIFEST, OWNER, atomic_folder, atomic_write_bytes, atomic_write_json,
-                                          claim_output, prepare_output, read_manifest)
+from draftsmith.artifacts import (MANIFEST, OWNER, RECORD, atomic_folder, atomic_write_bytes, atomic_write_json,
+                                          claim_output, prepare_output, read_manifest, read_record)
 from draftsmith.eval.cost import serving_settings
 from draftsmith.heads.export import is_set
 
@@ -53,6 +61,8 @@ class PublishConfig:
     dtype: str = "bfloat16"  # dtype of the published weights: bfloat16 | float16 | float32
     include_embeddings: bool = True  # false: engines share the target's embeddings
     overwrite: bool = False  # true: replace an out folder that is not an earlier publish folder (never the head's)
+    # seconds one Hub request may wait to connect or for data before publish gives up (per request, not the upload)
+    hub_timeout: float = 60.0
 
     def __post_init__(self):
         from draftsmith import checks
@@ -72,6 +82,7 @@ class PublishConfig:
                 raise DraftsmithError(f"formats={formats} names a format twice.")
         checks.at_least("speculative_tokens", self.speculative_tokens, 1, null="the eval report's K")
         checks.one_of("dtype", self.dtype, DTYPES)
+        checks.positive("hub_timeout", self.hub_timeout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,9 +103,21 @@ def check_repo_id(repo_id) -> str:
     return text
 
 
+LINK_FIX = ("publish reads and uploads no file reached through a link, as it can point at any file on this machine: "
+            "put the file itself there (or remove the link)")
+
+
+def refuse_links(*paths: Path) -> None:
+    """One sentence for the first of `paths` that is a symbolic link."""
+    for path in paths:
+        if path.is_symlink():
+            raise DraftsmithError(f"{path} is a symbolic link (to {os.readlink(path)}); {LINK_FIX}.")
+
+
 def head_folder(head: str | Path):
-    """(the head folder `head=` names: the folder itself or its final/, its method from draftsmith.methods)."""
-    from draftsmith.heads.checkpoint import WEIGHTS
+    """(the head folder `head=` names: the folder itself or its final/, its method from draftsmith.methods);
+    its weights checked and no file in it a link, before any work."""
+    from draftsmith.heads.checkpoint import WEIGHTS, check_weights_file
     from draftsmith.methods import method_for_folder
 
     path = Path(str(head))
@@ -106,9 +129,12 @@ def head_folder(head: str | Path):
     if method.card is None:
         raise DraftsmithError(f"head {folder} is a {method.name} folder, which publish does not describe yet; "
                               f"publish a folder draftsmith train wrote.")
-    if not (folder / WEIGHTS).is_file():
-        raise DraftsmithError(f"head {folder} has no {WEIGHTS}.")
+    check_weights_file(folder / WEIGHTS)
+    refuse_links(*sorted(folder.iterdir()))
     return folder, method
+
+
+EVAL_FILES = ("report.md", "report.png")  # copied beside report.json into eval/ when the eval folder has them
 
 
 def read_report(path: str | Path) -> tuple[dict, Path]:
@@ -117,6 +143,7 @@ def read_report(path: str | Path) -> tuple[dict, Path]:
     file = path / "report.json" if path.is_dir() else path
     if not file.is_file():
         raise DraftsmithError(f"report={str(path)!r} is neither an eval out/ folder with report.json nor a report.json.")
+    refuse_links(file, *(file.parent / name for name in EVAL_FILES))  # what publish copies from the eval folder
     try:
         report = json.loads(file.read_text())
     except (OSError, ValueError) as e:
@@ -351,6 +378,100 @@ def build_card(cfg, base_model: str, license: str, report: Optional[dict], summa
 
 
 # ---------------------------------------------------------------------------------------------
+# No local path goes public
+
+PATH_CHARS = r"[^\s\"'`<>|,;()\[\]{}\\]"  # what a path in the folder's text runs on with
+BINARY_SUFFIXES = (".safetensors", ".png", ".jpg", ".jpeg", ".gif", ".bin", ".pt", ".gguf")
+
+
+def _escaped(text: str) -> str:
+    return json.dumps(text)[1:-1]  # how the text stands in a JSON file
+
+
+@dataclass
+class PublicPaths:
+    """What the Hub copy says instead of a local path: `names` maps a local path (and any path below it) to its
+    public name; any other path under one of `roots` (the home and working folders, the folders holding the
+    inputs) becomes its last part."""
+
+    names: dict[str, str]
+    roots: list[str]
+
+    def text(self, text: str) -> str:
+        edge = r"(?<![\w.~/-])"
+        for old in sorted(self.names, key=len, reverse=True):
+            new = self.names[old]
+            for o, n in {(old, new), (_escaped(old), _escaped(new))}:
+                text = re.sub(edge + re.escape(o) + r"(?![\w.-])", lambda m, n=n: n, text)
+        for root in sorted(self.roots, key=len, reverse=True):
+            for r in {root, _escaped(root)}:
+                text = re.sub(edge + re.escape(r) + f"(?:/{PATH_CHARS}*)?" + r"(?![\w.-])",
+                              lambda m, r=r: m.group(0).rstrip("/").rsplit("/", 1)[-1] if m.group(0).rstrip("/") != r
+                              else "<local folder>", text)
+        return text
+
+    def rewrite(self, folder: Path) -> None:
+        """Every text file under `folder` (weights and images aside) with its local paths replaced."""
+        for path in sorted(folder.rglob("*")):
+            if not path.is_file() or path.is_symlink() or path.name == OWNER or path.suffix in BINARY_SUFFIXES:
+                continue
+            data = path.read_bytes()
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            public = self.text(text)
+            if public != text:
+                atomic_write_bytes(path, public.encode())
+
+
+def path_forms(path) -> set[str]:
+    """The spellings a local path may stand in a file under: as given (when it names a folder in it), absolute,
+    resolved."""
+    text = str(path).rstrip("/") or str(path)
+    forms = {text} if "/" in text or os.sep in text else set()
+    local = Path(text).expanduser()
+    return forms | {os.path.abspath(local), str(local.resolve())}
+
+
+def is_local_path(name: str) -> bool:
+    from draftsmith.data_gen.target import PRESETS
+
+    return bool(name) and name not in PRESETS and (os.path.isabs(name) or name.startswith((".", "~"))
+                                                   or Path(name).expanduser().exists())
+
+
+def public_paths(cfg, folder: Path, report: Optional[tuple[dict, Path]], target: dict, base_model: str,
+                 repo_id: str) -> PublicPaths:
+    """The local paths the published folder must not hold and what it says instead: the head (as given, its
+    final/, as eval recorded it) -> the repo id, a local target -> base_model, the eval folder -> eval, the
+    prompts file -> its name; anything else under the home, working or input folders -> its last part."""
+    names: dict[str, str] = {}
+    roots = {str(Path.home()), os.getcwd()}
+
+    def add(path, public: str) -> None:
+        if not path:
+            return
+        for form in path_forms(path):
+            names.setdefault(form, public)
+            roots.add(os.path.dirname(form))
+
+    data = report[0] if report else {}
+    for head in (cfg.head, folder, (data.get("drafter") or {}).get("path"), data.get("head")):
+        add(head, repo_id)
+    for target_id in (target.get("target_id"), (data.get("target") or {}).get("target_id")):
+        if isinstance(target_id, str) and is_local_path(target_id):
+            add(target_id, base_model)
+    if report:
+        add(report[1] / "report.json", "eval/report.json")
+        add(report[1], "eval")
+    prompts = (data.get("prompts") or {}).get("path")
+    if isinstance(prompts, str) and prompts:
+        add(prompts, Path(prompts).name)
+    return PublicPaths(names, sorted(r for r in roots if os.path.isabs(r) and len(r.rstrip("/")) > 1))
+
+
+# ---------------------------------------------------------------------------------------------
 # The folder and the upload
 
 
@@ -373,11 +494,12 @@ def write_formats(folder: Path, tmp: Path, formats: list[str], cfg, base_model: 
 
 
 def write_publish_folder(cfg, out: Path, folder: Path, report: Optional[tuple[dict, Path]], base_model: str,
-                         license: str, k: int, method) -> Path:
+                         license: str, k: int, method, public: Optional["PublicPaths"] = None) -> Path:
     """The Hub-ready folder (atomically): formats, eval/ (report + plot), README.md; `method`: the folder's
-    entry in draftsmith.methods (`head_folder` finds it)."""
+    entry in draftsmith.methods (`head_folder` finds it); `public`: the local paths its text files must not hold
+    (`public_paths`), rewritten last."""
     formats = list(cfg.formats) if cfg.formats is not None else list(method.formats)
-    with atomic_folder(out, owner="publish") as tmp:
+    with atomic_folder(out, owner="publish", overwrite=bool(cfg.overwrite)) as tmp:  # (keeps the user's files)
         claim_output(tmp, "publish")
         write_formats(folder, tmp, formats, cfg, base_model, k, method)
         plot = False
@@ -385,38 +507,131 @@ def write_publish_folder(cfg, out: Path, folder: Path, report: Optional[tuple[di
             data, where = report
             (tmp / "eval").mkdir()
             atomic_write_json(tmp / "eval" / "report.json", data)
-            for name in ("report.md", "report.png"):
+            for name in EVAL_FILES:
                 if (where / name).is_file():
+                    refuse_links(where / name)
                     shutil.copyfile(where / name, tmp / "eval" / name)
             plot = (tmp / "eval" / "report.png").is_file()
         summary = training_summary(folder, method.offline_data)
         card = build_card(cfg, base_model, license, report[0] if report else None, summary, k, formats, plot, method)
         atomic_write_bytes(tmp / "README.md", card.encode())
+        if public is not None:
+            public.rewrite(tmp)
     return out
 
 
 def upload_files(out: Path) -> list[str]:
-    """The files of the publish folder that go to the Hub (draftsmith's owner file stays local), sorted."""
-    return sorted(p.relative_to(out).as_posix() for p in out.rglob("*")
-                  if p.is_file() and p.name != OWNER and not p.name.startswith("."))
+    """The files publish wrote into its folder (its record), sorted: a file the user keeps beside them stays
+    local, as do draftsmith's owner and record files; a link in it (publish writes none) is refused rather than
+    followed."""
+    refuse_links(*out.rglob("*"))
+    written = read_record(out)
+    if written is None:
+        raise DraftsmithError(f"{out} has no record of what publish wrote there ({RECORD}); rerun publish to "
+                              f"write the folder again before uploading it.")
+    return sorted(rel for rel in written if (out / rel).is_file() and not (out / rel).is_symlink()
+                  and not any(part.startswith(".") for part in Path(rel).parts))
 
 
-def upload(out: Path, repo_id: str, private: bool, commit_message: str) -> dict:
-    """Create the repo if needed and push every file of `out` in ONE commit; the token is huggingface_hub's own."""
+@contextlib.contextmanager
+def hub_timeouts(seconds: float):
+    """Every request huggingface_hub makes inside waits at most `seconds` to connect or for data (its default
+    client has no timeout): the shared client comes from a factory wrapping the one in place, restored after."""
+    from huggingface_hub.utils import _http
+
+    if not hasattr(_http, "set_client_factory"):  # huggingface_hub < 1.0 (requests): its own defaults
+        yield
+        return
+    previous = getattr(_http, "_GLOBAL_CLIENT_FACTORY", _http.default_client_factory)
+
+    def factory():
+        client = previous()
+        client.timeout = seconds
+        return client
+
+    _http.set_client_factory(factory)
+    try:
+        yield
+    finally:
+        _http.set_client_factory(previous)
+
+
+def hub_errors() -> tuple[type, ...]:
+    """What a failing Hub raises: HTTP answers (HfHubHTTPError), offline mode and refused connections (OSErrors),
+    timeouts and transport errors (the HTTP library's own), an answer that is not JSON (ValueError)."""
+    import importlib
+
+    errors: list[type] = [OSError, ValueError]
+    for name in ("httpx2", "httpx"):
+        try:
+            errors.append(importlib.import_module(name).HTTPError)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(errors)
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE set (as huggingface_hub read it at import, or in the environment now)."""
+    from huggingface_hub import constants
+
+    return bool(getattr(constants, "HF_HUB_OFFLINE", False)) or \
+        os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+OFFLINE = ("HF_HUB_OFFLINE is set, so publish cannot reach the Hub and nothing was written or uploaded: unset "
+           "HF_HUB_OFFLINE to upload, or pass dry_run=true to write the folder only.")
+
+
+def hub_failure(e: Exception, step: str, repo_id: str, endpoint: str, created: bool, timeout: float,
+                out: Path) -> str:
+    """One sentence: which step failed and why, what exists on the Hub now, and how to retry."""
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    if isinstance(e, OfflineModeIsEnabled):
+        return OFFLINE
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    hint = ""
+    if isinstance(e, HfHubHTTPError) and status:
+        said = " ".join(str(getattr(e, "server_message", "") or "").split())
+        why = f"the Hub answered HTTP {status}" + (f" ({said})" if said else "")
+        if status in (401, 403):
+            hint = (f"check that HF_TOKEN (or `hf auth login`) holds a token with write access to "
+                    f"{repo_id.split('/')[0]}, then ")
+        elif status == 404:
+            hint = "check the repo id and that the token may write to it, then "
+        elif status == 429 or status >= 500:
+            hint = "the Hub failed on its side: wait a little, then "
+    elif "timeout" in type(e).__name__.lower() or isinstance(e, TimeoutError):
+        why = f"it did not answer within hub_timeout={timeout:g} s"
+        hint = "wait or raise hub_timeout=, then "
+    elif isinstance(e, (ConnectionError,)) or "connect" in type(e).__name__.lower() or \
+            "network" in type(e).__name__.lower():
+        why = f"it cannot be reached ({' '.join(str(e).split()) or type(e).__name__})"
+        hint = "check the network (and HF_ENDPOINT, if set), then "
+    else:
+        why = " ".join(str(e).split())[:300] or type(e).__name__
+    state = (f"the repo {repo_id} exists on the Hub (created now, or there before) but nothing was committed to it"
+             if created else "nothing was created or uploaded on the Hub")
+    return f"publish could not {step} on {endpoint}: {why}; {state}; {hint}rerun the same command to upload {out}."
+
+
+def upload(out: Path, repo_id: str, private: bool, commit_message: str, timeout: float = 60.0) -> dict:
+    """Create the repo if needed and push every file of `out` in ONE commit; the token is huggingface_hub's own.
+    Every request waits at most `timeout` seconds; a failing Hub is one sentence (`hub_failure`)."""
     from huggingface_hub import CommitOperationAdd, HfApi
-    from huggingface_hub.errors import HfHubHTTPError
 
     api = HfApi()  # token: HF_TOKEN or the saved login, resolved by huggingface_hub, never seen here
     files = upload_files(out)
+    created, step = False, f"create the repo {repo_id}"
     try:
-        repo = api.create_repo(repo_id, repo_type="model", private=private or None, exist_ok=True)
-        info = api.create_commit(repo_id, repo_type="model", commit_message=commit_message,
-                                 operations=[CommitOperationAdd(path_in_repo=f, path_or_fileobj=str(out / f))
-                                             for f in files])
-    except HfHubHTTPError as e:
-        status = getattr(getattr(e, "response", None), "status_code", None)
-        raise DraftsmithError(f"the Hub refused the upload to {repo_id}"
-                              + (f" (HTTP {status})" if status else "") + f": {str(e).splitlines()[0]}") from None
+        with hub_timeouts(timeout):
+            repo = api.create_repo(repo_id, repo_type="model", private=private or None, exist_ok=True)
+            created, step = True, f"upload {len(files)} files to {repo_id} in one commit"
+            info = api.create_commit(repo_id, repo_type="model", commit_message=commit_message,
+                                     operations=[CommitOperationAdd(path_in_repo=f, path_or_fileobj=str(out / f))
+                                                 for f in files])
+    except hub_errors() as e:
+        raise DraftsmithError(hub_failure(e, step, repo_id, api.endpoint, created, timeout, out)) from None
     return {"url": str(getattr(repo, "url", "") or f"https://huggingface.co/{repo_id}"),
             "commit": getattr(info, "oid", None), "files": files}
 
@@ -446,17 +661,21 @@ def run(cfg) -> dict:
     target = read_manifest(folder).get("target", {}) if (folder / MANIFEST).is_file() else {}
     base_model, license = resolve_base_model(cfg, target)
     k = cfg.speculative_tokens or (report[0]["drafting"]["num_speculative_tokens"] if report else DEFAULT_K)
+    if not cfg.dry_run and hub_offline():
+        raise DraftsmithError(OFFLINE)
     if not cfg.dry_run and not has_token():
         raise DraftsmithError("no Hugging Face token: set HF_TOKEN or run `hf auth login` (or pass dry_run=true).")
     head_arg = Path(str(cfg.head).rstrip("/"))
     out = Path(cfg.out) if cfg.out else head_arg.with_name(f"{head_arg.name}-hub")
     inputs = [("head", head_arg), ("head", folder)] + ([("report", cfg.report)] if cfg.report else [])
     out = prepare_output(out, "publish", inputs, overwrite=bool(cfg.overwrite))
-    write_publish_folder(cfg, out, folder, report, base_model, license, int(k), method)
+    public = public_paths(cfg, folder, report, target, base_model, repo_id)
+    write_publish_folder(cfg, out, folder, report, base_model, license, int(k), method, public)
     result = {"out": str(out), "repo_id": repo_id, "files": upload_files(out), "uploaded": False}
     if cfg.dry_run:
         return result
-    done = upload(out, repo_id, bool(cfg.private), f"draftsmith publish: {method.name} head for {base_model}")
+    done = upload(out, repo_id, bool(cfg.private), f"draftsmith publish: {method.name} head for {base_model}",
+                  timeout=float(cfg.hub_timeout))
     result.update(uploaded=True, url=done["url"], commit=done["commit"])
     return result
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.machine import machine_info
 from draftsmith.data_gen.batching import generate_tokens
 from draftsmith.data_gen.capture import capture_hidden_states
 from draftsmith.data_gen.config import PromptsConfig
@@ -175,6 +176,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
+    results["machine"] = machine_info()  # CPU kind, vector features, bf16, threads: beside every figure
     tmp.write_text(json.dumps(results, indent=2) + "\n")
     tmp.replace(out)
     print(json.dumps(results, indent=2))

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from draftsmith.machine import machine_info
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.eval import cost
 from draftsmith.eval.decoder import DraftingConfig, speculative_generate
@@ -137,6 +138,7 @@ def main(argv=None) -> dict:
                "goal": "ours_over_hf >= 1.2 at each dtype", "seconds": round(time.perf_counter() - t0, 1),
                "per_dtype": per_dtype}
     with open(args.out + ".tmp", "w") as f:
+        summary["machine"] = machine_info()  # CPU kind, vector features, bf16, threads: beside every figure
         json.dump(summary, f, indent=2)
     os.replace(args.out + ".tmp", args.out)
     for d in per_dtype:

@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from draftsmith.machine import machine_info
 from draftsmith.configs import compose
 from draftsmith.artifacts import atomic_write_json
 
@@ -114,12 +115,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:>8} T={r['temperature']:g}: tau {r['tau']:.3f}, ours {r['ours_tokens_per_s']:.1f} tok/s"
                   + (f", hf_assisted {r['hf_assisted_tokens_per_s']:.1f} tok/s (ours x{r['ours_over_hf_assisted']:.2f})"
                      if "hf_assisted_tokens_per_s" in r else ""), file=sys.stderr, flush=True)
+        result["machine"] = machine_info()  # CPU kind, vector features, bf16, threads: beside every figure
         atomic_write_json(args.out, result)
 
     for loss in args.losses:
         result["trained"][loss] = train(loss, args.data, work / f"train_{loss}", args)
         print(f"trained {loss} in {result['trained'][loss]['seconds']} s: {result['trained'][loss]['last_step']}, "
               f"held-out {result['trained'][loss]['val']}", file=sys.stderr, flush=True)
+        result["machine"] = machine_info()  # CPU kind, vector features, bf16, threads: beside every figure
         atomic_write_json(args.out, result)
     evaluate("before+hf", before, True, args.temperatures)
     for loss in args.losses:
@@ -132,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         f"T={t:g}": next(r["tau"] for r in result["eval"][f"{best}+hf"] if r["temperature"] == t)
         / next(r["tau"] for r in result["eval"]["before+hf"] if r["temperature"] == t) - 1 for t in args.temperatures}
     result["seconds"] = round(time.perf_counter() - t_start, 1)
+    result["machine"] = machine_info()  # CPU kind, vector features, bf16, threads: beside every figure
     atomic_write_json(args.out, result)
 
     print("\n| loss | " + " | ".join(f"tau T={t:g}" for t in args.table_temperatures) + " | train s |")

@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from draftsmith.machine import machine_info
 from draftsmith.configs import compose
 from draftsmith.artifacts import atomic_write_json
 from draftsmith.eval.run import run
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
               "seconds": round(time.perf_counter() - t0, 1),
               "software": reports[0]["software"] if reports else {}, "hardware": reports[0]["hardware"] if reports else {},
               "conventions": reports[0]["conventions"] if reports else "", "reports": reports}
+    result["machine"] = machine_info()  # CPU kind, vector features, bf16, threads: beside every figure
     atomic_write_json(args.out, result)
     print(f"wrote {args.out} ({result['seconds']} s)")
     return 0

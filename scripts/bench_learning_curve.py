@@ -36,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from draftsmith.machine import machine_info
 from draftsmith.artifacts import atomic_write_bytes, atomic_write_json
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_question.jsonl"
@@ -281,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             # written after every point: a long run that is stopped still leaves its finished points
             result = {"target": args.target, "rows": merged, "ran": log, "seconds": round(time.perf_counter() - t0, 1),
                       "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+            result["machine"] = machine_info()  # CPU kind, vector features, bf16, threads: beside every figure
             atomic_write_json(args.out / "learning_curve.json", result)
             plot(merged, args.out / "learning_curve.png")
             text = table(merged)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.machine import machine_info
 from draftsmith.configs import compose
 from draftsmith.artifacts import atomic_write_json
 
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"best K: eagle3 K={best['eagle3']['k']} {best['eagle3']['speedup']:.2f}x, peagle "
               f"K={best['peagle']['k']} {best['peagle']['speedup']:.2f}x -> ratio "
               f"{result['peagle_over_eagle3_at_best_k']:.2f}")
+    result["machine"] = machine_info()  # CPU kind, vector features, bf16, threads: beside every figure
     atomic_write_json(args.out / "bench_peagle.json", result)
     print(f"wrote {args.out / 'bench_peagle.json'} ({result['seconds']} s)")
     return 0

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.machine import machine_info
 from draftsmith.artifacts import atomic_write_json
 from draftsmith.bench_peagle import TimedProposer
 from draftsmith.configs import compose
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                   "n_prompts": done, "complete": done == len(setup.prompts), "warmup_prompt": setup.prompts[0].id,
                   "prompt_ids": [p.id for p in setup.prompts[:done]], **summarize(totals),
                   "seconds": round(time.perf_counter() - t0, 1)}
+        result["machine"] = machine_info()  # CPU kind, vector features, bf16, threads: beside every figure
         atomic_write_json(Path(args.out), result)
         return result
 

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from draftsmith.artifacts import atomic_write_bytes, atomic_write_json
+from draftsmith.machine import machine_info
 
 CONFIGS = {
     "base": [],
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.configs:
         rows.append(measure(args, name))
         atomic_write_json(args.out / "sample_efficiency.json", {
-            "data": str(args.data), "budget_s": args.budget_s, "val_samples": args.val_samples, "rows": rows})
+            "machine": machine_info(), "data": str(args.data), "budget_s": args.budget_s, "val_samples": args.val_samples, "rows": rows})
         atomic_write_bytes(args.out / "sample_efficiency.md", (table(rows) + "\n").encode())
     print(table(rows))
     print(f"-> {args.out / 'sample_efficiency.json'}")

@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from draftsmith.machine import machine_info
+
 PEERS = Path(__file__).resolve().parent.parent.parent / "shared" / "peers"
 
 
@@ -152,7 +154,7 @@ def main() -> None:
     venv, script = Path(args.peer_venv), Path(args.peer_script)
     peer = (venv / "bin" / "python").is_file() and script.is_file()
     folder = Path(args.peer_target) if args.peer_target else (target_folder_of(target) if peer else None)
-    result = {"target": args.target, "batch": 1, "seq": args.seq, "ttt_steps": args.ttt, "threads": threads,
+    result = {"machine": machine_info(), "target": args.target, "batch": 1, "seq": args.seq, "ttt_steps": args.ttt, "threads": threads,
               "loss_mask": "last three quarters", "rounds": args.rounds, "steps": args.steps,
               "stored_target_stats": not args.recompute_stats,
               "peer": "specforge 0.2.0" if peer else "peer not installed", "rows": []}

@@ -17,6 +17,8 @@ import inspect
 import re
 import sys
 
+from draftsmith import procenv
+
 # subcommand -> (module holding `run(cfg)`, config name under draftsmith/configs)
 SUBCOMMANDS = {
     "data-gen": ("draftsmith.data_gen.run", "data_gen"),
@@ -153,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"draftsmith: unknown command {command!r}.\n\n{USAGE}", file=sys.stderr)
         sys.exit(2)
     module_name, config_name = SUBCOMMANDS[command]
+    procenv.share_cores()  # OpenMP reads its wait policy when torch loads it: before anything imports torch
 
     from draftsmith import DraftsmithError
 
@@ -183,8 +186,10 @@ def main(argv: list[str] | None = None) -> None:
 
     import hydra
 
+    from draftsmith import machine  # (imports torch: after share_cores)
     from draftsmith.configs import check_config, register_configs
 
+    machine.use_threads()  # the cores this process may use, shared among its job's processes on this node
     register_configs(config_name)
     stage = importlib.import_module(module_name)
 

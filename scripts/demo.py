@@ -30,8 +30,6 @@ output; anything else is refused before any work unless overwrite=true, and no u
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -166,6 +164,10 @@ STAGE_FILES = {
     "train": ("checkpoints", "final", "best", "metrics.jsonl", "val_metrics.json", "config.yaml", "wandb"),
     "eval": ("report.json", "report.md", "report.png", "manifest.json", "config.yaml"),
 }
+# Inside those folders a redo removes what their record lists (final/, best/, each checkpoint), or else
+# only these names (checkpoints older than records; wandb's own files).
+STAGE_FILES_INSIDE = {"checkpoints": ("step_*", ".tmp-step_*"),
+                      "wandb": ("run-*", "offline-run-*", "latest-run", "debug*.log")}
 
 
 def clear_stage(folder: Path, stage: str) -> None:
@@ -174,12 +176,8 @@ def clear_stage(folder: Path, stage: str) -> None:
         return
     if not mf.is_empty(folder) and not mf.owns(folder, stage):
         raise mf.not_owned_error(folder, stage)
-    for name in STAGE_FILES[stage]:
-        path = folder / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif os.path.lexists(path):
-            path.unlink()
+    for name in STAGE_FILES[stage]:  # (never through a link: a link itself goes, what it points to stays)
+        mf.remove_written(folder / name, STAGE_FILES_INSIDE.get(name, ()))
 
 
 def _done(out: Path, stage: str, overrides: list[str]) -> bool:
@@ -223,6 +221,7 @@ def prepare_demo_folder(out: Path, overwrite: bool) -> None:
     for stage, name in FOLDERS.items():  # each stage's folder: new, empty or that stage's own (before any work)
         mf.prepare_output(out / name, stage, overwrite=overwrite)
     mf.claim_output(out, "demo")
+    mf.clean_temporaries(out, ("config.yaml", "*.done.json", "demo_summary.json", mf.OWNER))  # a killed run's leftovers
     if overwrite:  # the stages then write into these folders as their own
         for stage, name in FOLDERS.items():
             if (out / name).is_dir() and not mf.owns(out / name, stage):

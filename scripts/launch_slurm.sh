@@ -41,7 +41,8 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-$(gpu_count)}}
 NPROC_PER_NODE=${NPROC_PER_NODE##*:}
 MASTER_ADDR=${MASTER_ADDR:-$(first_host)}
 MASTER_PORT=${MASTER_PORT:-29500}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+# CPU threads: each process takes the cores it may use divided by the processes on its node, and OpenMP
+# waits passively (draftsmith.procenv); an OMP_NUM_THREADS or OMP_WAIT_POLICY set here is kept.
 cd "${SLURM_SUBMIT_DIR:-.}"
 
 cmd=(srun --kill-on-bad-exit=1 --ntasks-per-node=1

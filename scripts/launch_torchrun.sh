@@ -26,7 +26,8 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-$(gpu_count)}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 TORCHRUN=${TORCHRUN:-torchrun}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+# CPU threads: each process takes the cores it may use divided by the processes on its node, and OpenMP
+# waits passively (draftsmith.procenv); an OMP_NUM_THREADS or OMP_WAIT_POLICY set here is kept.
 
 node_command() { # node_command <node rank> <overrides...>: the command line of that node
     local node=$1

@@ -171,11 +171,11 @@ def _peagle_entry() -> Method:
 # ---- a draft model: any HF causal LM sharing the target's tokenizer (trained by train/draft.py) -----
 
 def _load_draft_model(folder: Path, target=None):
-    from transformers import AutoModelForCausalLM
+    from draftsmith.heads.draft import load_draft_folder
 
     if target is None:
-        return AutoModelForCausalLM.from_pretrained(folder).eval()
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()
+        return load_draft_folder(folder).eval()
+    return load_draft_folder(folder, dtype=target.dtype).to(target.device).eval()
 
 
 def _save_draft(drafter, folder: Path, identity: dict) -> Path:

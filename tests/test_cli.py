@@ -42,9 +42,9 @@ def test_train_help_lists_options_with_defaults_and_descriptions(capsys):
     assert "(tests only)" in row("fail_at_step") and "fail_at_step=null" in row("fail_at_step")
     assert "(required)" in row("data") and "data=???" in row("data")
     assert "target.name=smollm2" in row("target.name")
-    assert "deepspeed.config=zero2" in row("deepspeed.config")
+    assert "deepspeed.config=auto" in row("deepspeed.config")  # (was zero2: deepspeed=auto is the default now)
     assert "wandb.mode=auto" in row("wandb.mode")
-    assert "deepspeed=none|zero1|zero2|zero3" in out and "target=hf|smollm2|tiny" in out
+    assert "deepspeed=auto|none|zero1|zero2|zero3" in out and "target=hf|smollm2|tiny" in out
 
 
 def test_help_defaults_follow_the_stage_yaml(capsys):

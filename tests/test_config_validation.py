@@ -50,9 +50,9 @@ REFUSED = [
     ("train", ["mode=bogus"], "mode=bogus is not one of auto, online, offline"),
     ("train", ["method=bogus"], "method=bogus is not an option of draftsmith train; choose from "),
     ("train", ["micro_batch_size=0"], "micro_batch_size=0 must be at least 1"),
-    ("train", ["precision=fp8"], "precision=fp8 is not one of fp32, bf16, fp16"),
+    ("train", ["precision=fp8"], "precision=fp8 is not one of auto, fp32, bf16, fp16"),
     ("train", ["precision=fp16", "deepspeed=none"], "precision=fp16 needs DeepSpeed's loss scaling"),
-    ("train", ["deepspeed.config=zero9"], "deepspeed.config=zero9 is not one of none, zero1, zero2, zero3"),
+    ("train", ["deepspeed.config=zero9"], "deepspeed.config=zero9 is not one of auto, none, zero1, zero2, zero3"),
     ("train", ["wandb.mode=bogus"], "wandb.mode=bogus is not one of"),
     ("train", ["target.dtype=bogus"], "target.dtype=bogus is not one of"),
     # eval
@@ -73,7 +73,7 @@ REFUSED = [
     ("export", ["format=bogus"], "format=bogus is not one of eagle3, speculators"),
     ("export", ["dtype=bogus"], "dtype=bogus is not one of"),
     ("export", ["speculative_tokens=0"], "speculative_tokens=0 must be at least 1"),
-    ("demo", ["flavour=bogus"], "flavour=bogus is not one of smollm2, smollm2-long, tiny"),
+    ("demo", ["flavour=bogus"], "flavour=bogus is not one of smollm2, smollm2-fixed, smollm2-long, tiny"),
     ("demo", ["train_steps=0"], "train_steps=0 must be at least 1"),
     ("demo", ["num_speculative_tokens=0"], "num_speculative_tokens=0 must be in [1, 64]"),
     # keys and types

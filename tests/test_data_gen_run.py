@@ -51,6 +51,9 @@ def test_end_to_end(compose_cfg, questions, tmp_path, tiny_target):
     hs = HiddenStates(out)
     assert len(hs) == 5 and hs[4][0].shape[0] == len(ds[4]["input_ids"])
     assert "max_new_tokens: 6" in (out / "config.yaml").read_text()
+    # target.dtype=auto is resolved before anything is keyed by it: the saved config and the manifest name the dtype
+    assert manifest["target_dtype"]["dtype"] in ("float32", "bfloat16") and manifest["target_dtype"]["why"]
+    assert f"dtype: {manifest['target_dtype']['dtype']}" in (out / "config.yaml").read_text()
     assert not list(out.glob(".*tmp*"))
     # a rerun with the same config reuses everything and writes the same data
     before = ds["input_ids"]

@@ -1,4 +1,4 @@
-"""Eval in bf16 (its default) with a K sweep: the cost table, the recommendation, and greedy divergences reported
+"""Eval in its default dtype (auto: bf16 on this AMX CPU) with a K sweep: the cost table, the recommendation, and greedy divergences reported
 with the target's top-2 margin (near-ties) instead of a bare 'not identical'."""
 
 import json
@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from draftsmith import machine
 from draftsmith.configs import compose
 from draftsmith.eval import metrics
 from draftsmith.eval.decoder import DraftingConfig, speculative_generate
@@ -28,9 +29,16 @@ def test_bf16_default_with_k_sweep(questions, tmp_path):
     cfg = compose("eval", ["target=tiny", f"prompts.path={questions}", "prompts.n=null", "max_new_tokens=16",
                            "repeats=1", "progress=false", "head=ngram", "drafting.num_speculative_tokens=3",
                            "sweep_k=[1,2]", "cost_repeats=1", f"out={tmp_path / 'out'}"])
-    assert cfg.target.dtype == "bfloat16"  # eval runs the target as serving engines do
+    assert cfg.target.dtype == "auto"  # (was bfloat16: auto is the default now) what this machine runs fastest
+    auto = machine.dtype_name(machine.resolve_dtype("auto", "cpu")[0])
     report = run(cfg)
-    assert report["target_dtype"] == "bfloat16" and report["cuda_graph"] is False
+    assert report["target_dtype"] == auto and report["cuda_graph"] is False
+    # why that dtype, and what it measured here: one verification of K+1 tokens in decode steps (the cost model)
+    assert report["target_dtype_why"] == machine.resolve_dtype("auto", "cpu")[1]
+    cost = report["target_dtype_cost"]
+    assert cost["dtype"] == auto and cost["verify_tokens"] == 4
+    assert cost["verify_over_step"] == pytest.approx(report["cost_model"]["table"][2]["verify_over_step"])
+    assert report["machine"]["cpu"] and f"dtype: {auto}" in (tmp_path / "out" / "config.yaml").read_text()
     table = report["cost_model"]["table"]
     assert [r["k"] for r in table] == [1, 2, 3]
     assert all(r["measured_speedup"] is not None and r["predicted_speedup"] > 0 for r in table)
@@ -54,6 +62,8 @@ def test_bf16_default_with_k_sweep(questions, tmp_path):
     md = (tmp_path / "out" / "report.md").read_text()
     assert "## Cost model" in md and "## Recommendation" in md and "vllm serve" in md
     assert "identical up to near-ties" in md
+    assert f"- target dtype: {auto} ({report['target_dtype_why']}); measured here in {auto}: verifying K+1 = 4 " \
+           f"tokens costs {cost['verify_over_step']:.2f} decode steps (cost model)" in md
     assert (tmp_path / "out" / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 

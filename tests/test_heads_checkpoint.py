@@ -211,11 +211,16 @@ def test_crash_mid_save_keeps_the_existing_folder(tiny_target, tmp_path, monkeyp
 
 
 def test_save_over_an_existing_folder_replaces_it(tiny_target, tmp_path):
+    from draftsmith.artifacts import RECORD, write_record
+
     folder = save_eagle3(random_head(tiny_target, seed=0), tmp_path / "head")
     (folder / "stale.txt").write_text("from an older run")
+    write_record(folder)  # (as if that run wrote it: what draftsmith wrote there before goes)
+    (folder / "notes.txt").write_text("the user's")  # a file draftsmith did not write stays
     new = random_head(tiny_target, seed=1)
     save_eagle3(new, folder)
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in folder.iterdir() if p.name != RECORD) == ["config.json", "model.safetensors",
+                                                                            "notes.txt"]
     assert [p.name for p in tmp_path.iterdir()] == ["head"]
     inputs = random_inputs(new)
     assert torch.equal(logits_of(new, *inputs), logits_of(load_eagle3(folder), *inputs))

@@ -99,7 +99,7 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 @pytest.mark.slow
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
-@pytest.mark.parametrize("deepspeed", ["none", "zero2"])
+@pytest.mark.parametrize("deepspeed", ["none", "zero2", "auto"])
 def test_torchrun_launcher_trains_three_steps_with_two_cpu_processes(tmp_path, deepspeed):
     from draftsmith.data_gen.target import TargetConfig, load_target
     from test_train_data import make_tiny_data
@@ -122,3 +122,7 @@ def test_torchrun_launcher_trains_three_steps_with_two_cpu_processes(tmp_path, d
     state = json.loads((out / "checkpoints" / "step_00000003" / "train_state.json").read_text())
     assert state["layout"]["world_size"] == 2  # the process count that wrote it (compat keeps it only under ZeRO)
     assert (out / "final" / "model.safetensors").is_file()
+    if deepspeed == "auto":  # two processes: ZeRO-2, recorded as such in the saved config and the checkpoint
+        assert state["compat"]["deepspeed"] == "zero2" and state["resolved"]["deepspeed"]["requested"] == "auto"
+        assert "config: zero2" in (out / "config.yaml").read_text()
+        assert "deepspeed auto -> zero2: 2 processes (WORLD_SIZE=2)" in result.stdout

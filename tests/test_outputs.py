@@ -63,7 +63,7 @@ def test_export_into_the_training_run_is_refused_and_the_run_kept(train_run, cap
     assert snapshot(train_run) == before
 
 
-def test_export_into_a_user_folder_is_refused_then_overwrite_replaces_it(head, tmp_path, capsys):
+def test_export_into_a_user_folder_is_refused_then_overwrite_writes_beside_the_users_files(head, tmp_path, capsys):
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "notes.txt").write_text("mine")
@@ -74,7 +74,8 @@ def test_export_into_a_user_folder_is_refused_then_overwrite_replaces_it(head, t
     assert f"out={precious} already holds files draftsmith export did not write" in err and "overwrite=true" in err
     assert snapshot(precious) == before
     main(["export", f"head={head}", f"out={precious}", "overwrite=true"])  # the user asked for it
-    assert (precious / "model.safetensors").is_file() and not (precious / "notes.txt").exists()
+    assert (precious / "model.safetensors").is_file()
+    assert {k: v for k, v in snapshot(precious).items() if k in before} == before  # write there, delete nothing
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left beside it
 
 
@@ -287,18 +288,24 @@ def test_prepare_output_rules(tmp_path, tiny_target):
     mf.prepare_output(own, "eval")
     with pytest.raises(DraftsmithError, match="already holds an eval report"):
         mf.prepare_output(own, "train")
-    mf.prepare_output(own, "train", overwrite=True)
+    with pytest.raises(DraftsmithError, match="overwrite=true never writes over another draftsmith stage's output"):
+        mf.prepare_output(own, "train", overwrite=True)  # its owner file and config would lie
+    (tmp_path / "user").mkdir()
+    (tmp_path / "user" / "notes.txt").write_text("mine")
+    mf.prepare_output(tmp_path / "user", "train", overwrite=True)  # a user's folder: the user asked for it
     (tmp_path / "d").mkdir()
     with pytest.raises(DraftsmithError, match="is inside the data folder"):
         mf.prepare_output(tmp_path / "d" / "sub", "train", [("data", tmp_path / "d")], overwrite=True)
     (tmp_path / "f").write_text("x")
     with pytest.raises(DraftsmithError, match="is a file, not a folder"):
         mf.prepare_output(tmp_path / "f" / "sub", "eval")
-    # outputs written before owner files existed are still recognised
-    legacy = tmp_path / "legacy"
-    (legacy / "checkpoints").mkdir(parents=True)
-    (legacy / "metrics.jsonl").write_text("")
-    assert mf.owner_of(legacy) == "train"
+    # a folder that merely looks like a stage's output is the user's: only an owner file or a manifest says otherwise
+    lookalike = tmp_path / "lookalike"
+    (lookalike / "checkpoints").mkdir(parents=True)
+    (lookalike / "metrics.jsonl").write_text("")
+    assert mf.owner_of(lookalike) is None
+    with pytest.raises(DraftsmithError, match="already holds files draftsmith train did not write"):
+        mf.prepare_output(lookalike, "train")
     # a head folder (train's final/) is not a training run
     head = save_eagle3(random_head(tiny_target), tmp_path / "h", manifest_target=tiny_target.identity())
     with pytest.raises(DraftsmithError, match="holds a trained head"):

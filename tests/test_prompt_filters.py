@@ -181,7 +181,8 @@ def test_data_gen_hook_drops_and_counts(compose_cfg, tmp_path, tiny_target):
 
     path = tmp_path / "q.jsonl"
     path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
-    base = ["target=tiny", "prompts=question", f"prompts.path={path}", "max_new_tokens=12"]
+    # (target.dtype=float32: the default was float32 before auto; these random answers' lengths are for fp32)
+    base = ["target=tiny", "target.dtype=float32", "prompts=question", f"prompts.path={path}", "max_new_tokens=12"]
     plain = run(compose_cfg("data_gen", *base, f"out={tmp_path / 'plain'}"))
     assert not any(k.startswith("filtered_") for k in plain["counts"])
     answers = [c["messages"][-1]["content"] for c in load_conversations(tmp_path / "plain")]

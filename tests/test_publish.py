@@ -240,3 +240,20 @@ def test_publish_does_not_write_over_user_files(evaluated, tmp_path):
     assert (tmp_path / "hub" / "notes.txt").read_text() == "mine"
     run(publish_cfg(head, tmp_path / "again", report=str(eval_out), dry_run=True))
     run(publish_cfg(head, tmp_path / "again", report=str(eval_out), dry_run=True))  # its own earlier output: fine
+
+
+def test_user_files_kept_in_the_publish_folder_are_never_uploaded(evaluated, tmp_path):
+    from draftsmith.heads.publish import upload_files
+
+    head, eval_out, _ = evaluated
+    first = run(publish_cfg(head, tmp_path, report=str(eval_out), dry_run=True))
+    out = tmp_path / "hub"
+    (out / "notes.txt").write_text("private")
+    (out / "eval" / "USER_NOTE.txt").write_text("private")
+    (out / "mine").mkdir()
+    (out / "mine" / "secret.txt").write_text("private")
+    again = run(publish_cfg(head, tmp_path, report=str(eval_out), dry_run=True))  # a rerun keeps them locally
+    assert (out / "notes.txt").read_text() == (out / "eval" / "USER_NOTE.txt").read_text() == "private"
+    assert again["files"] == first["files"] == upload_files(out)
+    assert not {"notes.txt", "eval/USER_NOTE.txt", "mine/secret.txt"} & set(upload_files(out))
+    assert "README.md" in upload_files(out) and "eval/report.json" in upload_files(out)

@@ -29,7 +29,6 @@ import contextlib
 import json
 import random
 import re
-import shutil
 import warnings
 import zipfile
 from pathlib import Path
@@ -40,7 +39,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith import DraftsmithError
-from draftsmith.artifacts import atomic_write_json
+from draftsmith.artifacts import atomic_write_json, remove_written, replace_folder
 
 STATE = "train_state.json"
 
@@ -74,14 +73,23 @@ def resolve_resume(resume: Optional[str], out: str | Path) -> Optional[Path]:
         found = list_checkpoints(out)
         if not found:
             raise DraftsmithError(f"resume=true but {checkpoint_dir(out)} holds no complete checkpoint.")
-        return found[-1]
+        return checked_weights(found[-1])
     path = Path(str(resume))
     if (path / STATE).is_file():
-        return path
+        return checked_weights(path)
     found = list_checkpoints(path)  # an out/ folder of an earlier run
     if found:
-        return found[-1]
+        return checked_weights(found[-1])
     raise DraftsmithError(f"resume={resume!r} is not a training checkpoint (no {STATE}) nor a run folder with one.")
+
+
+def checked_weights(checkpoint: Path) -> Path:
+    """The checkpoint, once each of its safetensors files is a plain, complete file (heads.checkpoint's check)."""
+    from draftsmith.heads.checkpoint import check_weights_file
+
+    for f in sorted(checkpoint.glob("*.safetensors")):
+        check_weights_file(f)
+    return checkpoint
 
 
 def read_state(path: Path) -> dict:
@@ -208,14 +216,21 @@ def read_rng(folder: Path, rank: int) -> None:
     set_rng_state(js, load_file(str(folder / f"rng_rank{rank}.safetensors")))
 
 
+# What a checkpoint holds (written by draftsmith and DeepSpeed): what pruning one older than its record removes.
+CHECKPOINT_FILES = (STATE, "head.safetensors", "scheduler.json", "rng_rank*", "optimizer.*", "deepspeed")
+
+
 def publish(out: str | Path, step: int, keep_last: int) -> Path:
-    """Rename the finished temp folder into place and drop all but the last `keep_last` (rank 0 only)."""
+    """Rename the finished temp folder into place and drop all but the last `keep_last` (rank 0 only).
+
+    Each checkpoint records what it holds; replacing or pruning one removes only that (a user's file stays)."""
     src, dst = tmp_path(out, step), final_path(out, step)
-    if dst.exists():
-        shutil.rmtree(dst)
-    src.rename(dst)
+    replace_folder(src, dst)
     for old in list_checkpoints(out)[:-max(keep_last, 1)]:
-        shutil.rmtree(old, ignore_errors=True)
+        try:
+            remove_written(old, CHECKPOINT_FILES)
+        except OSError:
+            pass
     return dst
 
 

@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
 from draftsmith import DraftsmithError, checks
-from draftsmith.data_gen.target import TargetConfig
+from draftsmith.data_gen.target import TargetConfig, stage_target
+from draftsmith.procenv import launched_processes
 from draftsmith.train.eagle3 import Eagle3Config
-DEEPSPEED_PRESETS = ("none", "zero1", "zero2", "zero3")
+DEEPSPEED_PRESETS = ("auto", "none", "zero1", "zero2", "zero3")
 
 
 @dataclass
@@ -25,9 +26,10 @@ class WandbConfig:
 
 @dataclass
 class DeepSpeedConfig:
-    # zero1 | zero2 | zero3 (configs/deepspeed/<name>.json), a path to a DeepSpeed JSON,
-    # or none (plain torch; DDP when launched with several processes)
-    config: str = "zero2"
+    # auto (none for one process, zero2 when launched with several: train/trainer.py resolve_deepspeed) |
+    # zero1 | zero2 | zero3 (configs/deepspeed/<name>.json) | a path to a DeepSpeed JSON | none (plain torch; DDP
+    # when launched with several processes)
+    config: str = "auto"
 
     def __post_init__(self):
         if not str(self.config).endswith(".json"):
@@ -40,7 +42,7 @@ class TrainConfig:
     # the method's dataclass in draftsmith.methods (method.draft_vocab_size=8192, ...).
     method: Any = field(default_factory=Eagle3Config)
     CHOSEN_BY_GROUP: ClassVar[tuple[str, ...]] = ("method",)
-    target: TargetConfig = field(default_factory=TargetConfig)
+    target: TargetConfig = field(default_factory=stage_target)
     data: str = "???"  # a data-gen output folder
     out: str = "runs/train"  # output folder: final/, checkpoints/, metrics.jsonl
     overwrite: bool = False  # true: write into an out folder that is not an earlier train output
@@ -72,8 +74,10 @@ class TrainConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas
     grad_clip: float = 0.5  # max gradient norm; 0 = off
-    precision: str = "fp32"  # fp32 | bf16 (autocast, fp32 master weights) | fp16 (DeepSpeed loss scaling)
-    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # config group: deepspeed=zero1|zero2|zero3|none
+    # auto (bf16 where this machine computes bf16 fast, else fp32: draftsmith.machine) | fp32 | bf16 (autocast, fp32
+    # master weights) | fp16 (DeepSpeed loss scaling)
+    precision: str = "auto"
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # config group: deepspeed=auto|none|zero1|zero2|zero3
 
     # checkpoints and logging
     save_every: int = 500  # optimizer steps between checkpoints
@@ -112,7 +116,10 @@ class TrainConfig:
         for beta in self.betas:
             checks.in_range("betas entry", beta, 0, 1, high_open=True)
         checks.at_least("grad_clip", self.grad_clip, 0)
-        checks.one_of("precision", self.precision, ("fp32", "bf16", "fp16"))
+        checks.one_of("precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
         if self.precision == "fp16" and self.deepspeed.config == "none":
             raise DraftsmithError("precision=fp16 needs DeepSpeed's loss scaling; use deepspeed=zero1/2/3 or precision=bf16.")
+        if self.precision == "fp16" and self.deepspeed.config == "auto" and launched_processes()[0] == 1:
+            raise DraftsmithError("precision=fp16 needs DeepSpeed's loss scaling, and deepspeed=auto is plain torch "
+                                  "in one process; use deepspeed=zero1/2/3 or precision=bf16.")
         checks.at_least("fail_at_step", self.fail_at_step, 1, null="never")

@@ -17,21 +17,25 @@ run(cfg) returns {"out", "final", "mode", "steps", "metrics" (last step), "val" 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
-from draftsmith import DraftsmithError
-from draftsmith.artifacts import (atomic_write_bytes, atomic_write_json, claim_output, is_empty, owner_of,
-                                  prepare_output)
-from draftsmith.data_gen.target import load_target
+from draftsmith import DraftsmithError, machine
+from draftsmith.artifacts import (OWNER, atomic_write_bytes, atomic_write_json, claim_output, clean_temporaries,
+                                  is_empty, owner_of, prepare_output, refuse_links, remove_written)
+from draftsmith.data_gen.target import load_target, resolve_target_dtype
 from draftsmith.methods import Method, method_for_config
 from draftsmith.train import checkpoint as ckpt
 from draftsmith.train.data import load_data
 from draftsmith.train.trainer import (Logger, TrainerConfig, autocast, evaluate, init_distributed,
-                                      load_checkpoint, train_loop, wrap_for_training)
+                                      load_checkpoint, resolve_deepspeed, resolve_precision, train_loop,
+                                      wrap_for_training)
+
+log = logging.getLogger(__name__)
 
 
 def validate(cfg) -> None:
@@ -59,6 +63,20 @@ def compat_fields(cfg, identity: dict, world: int, n_train: int, total_steps: in
     if cfg.eval_every > 0:  # the best-so-far in the checkpoint is by this metric, at these steps
         fields.update(eval_every=cfg.eval_every, select_by=cfg.select_by)
     return fields
+
+
+def resolve_auto(cfg) -> dict:
+    """Replace target.dtype, precision and deepspeed `auto` by what this machine and launch call for, in place
+    (the saved config, the checkpoints' config and their compat then name what ran); returns
+    {option: {"requested", "value", "why"}} for the checkpoints' record. Call once cfg.device is this process's."""
+    requested = {"target.dtype": cfg.target.dtype, "precision": cfg.precision, "deepspeed": cfg.deepspeed.config}
+    why = {"target.dtype": resolve_target_dtype(cfg.target)}
+    cfg.precision, why["precision"] = resolve_precision(cfg.precision, cfg.device)
+    cfg.deepspeed.config, why["deepspeed"] = resolve_deepspeed(cfg.deepspeed.config)
+    if requested["deepspeed"] == "auto":
+        log.info(f"deepspeed auto -> {cfg.deepspeed.config}: {why['deepspeed']}")
+    values = {"target.dtype": cfg.target.dtype, "precision": cfg.precision, "deepspeed": cfg.deepspeed.config}
+    return {k: {"requested": requested[k], "value": values[k], "why": why[k]} for k in values}
 
 
 def seed_everything(seed: int) -> None:
@@ -89,6 +107,7 @@ def check_output(cfg) -> Path:
     resume_path = ckpt.resume_path_given(cfg.resume)  # a checkpoint folder is read too
     out = prepare_output(cfg.out, "train", [("data", cfg.data), ("resume", resume_path), ("target", cfg.target.name)],
                          overwrite=bool(cfg.overwrite))
+    refuse_links(out, ("checkpoints", "final", "best"))  # never written (nor removed) through
     best = out / "best"
     if cfg.eval_every > 0 and best.exists() and not (best.is_dir() and (is_empty(best) or owner_of(best) == "train_head")):
         raise DraftsmithError(f"{best} exists and is not a head draftsmith train wrote; train replaces out/best with "
@@ -121,13 +140,12 @@ def start_run_files(cfg, out: Path, resume: Path | None, start_step: int) -> Non
     """Rank 0: claim out/, save the config; a fresh run starts a new log, a resumed one drops the
     records past its checkpoint."""
     claim_output(out, "train")
+    clean_temporaries(out, ("config.yaml", "metrics.jsonl", "val_metrics.json", OWNER))  # a killed run's leftovers
     if resume is None:
         (out / "metrics.jsonl").unlink(missing_ok=True)
         (out / "val_metrics.json").unlink(missing_ok=True)
         if (out / "best").is_dir() and owner_of(out / "best") == "train_head":  # an earlier run's best, never another's
-            import shutil
-
-            shutil.rmtree(out / "best")
+            remove_written(out / "best")  # what draftsmith wrote there; a user's file stays
     atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
     if resume is not None and (out / "metrics.jsonl").is_file():
         lines = (out / "metrics.jsonl").read_text().splitlines()
@@ -157,6 +175,7 @@ def run(cfg) -> dict:
     if cfg.device == "cuda":  # one device per process
         cfg.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
     cfg.target.device = cfg.device  # the target runs beside the drafter
+    resolved = resolve_auto(cfg)
     trainer = TrainerConfig.from_train(cfg)
     rank, world = init_distributed(trainer)
 
@@ -196,7 +215,8 @@ def run(cfg) -> dict:
         record, val_metrics = train_loop(
             w, trainer, train, prepare, method.summarize, out, rank, world, total_steps, start_step,
             {"method": method.name, "compat": compat, "mode": mode, "config": config_dict,
-             "layout": {"world_size": world, "grad_accum": cfg.grad_accum}}, logger,
+             "layout": {"world_size": world, "grad_accum": cfg.grad_accum}, "resolved": resolved,
+             "machine": machine.machine_info(cfg.device)}, logger,
             val=val, best=best, save_best=lambda: save_final(method, w, drafter, best_dir, identity, rank))
         if val is not None and not val_metrics:  # eval_every=0: the held-out rows are evaluated once, here
             val_metrics = evaluate(w, val, prepare, method.summarize, trainer, world)
@@ -209,7 +229,7 @@ def run(cfg) -> dict:
         atomic_write_json(out / "val_metrics.json", val_metrics)
     return {"out": str(out), "final": str(final), "mode": mode, "steps": total_steps, "metrics": record,
             "val": val_metrics, "best": ({**best, "folder": str(best_dir)} if best else None),
-            "rank": rank, "world_size": world, "method": method.name}
+            "rank": rank, "world_size": world, "method": method.name, "resolved": resolved}
 
 
 def summary(result: dict) -> str:

