@@ -5,9 +5,10 @@
 Runs `draftsmith data-gen` on the embedded SmolLM2 (Spec-Bench first turns, greedy, fp32, no hidden
 states) as a subprocess: once alone, then two at once on the same cores, under two OpenMP settings:
   before   GOMP_SPINCOUNT=300000: libgomp's own default when no wait policy is set (idle threads spin
-           for ~300k iterations before sleeping), i.e. what draftsmith ran with before it set a policy;
+           for ~300k iterations before sleeping), i.e. what draftsmith ran with before it set anything;
+  passive  OMP_WAIT_POLICY=PASSIVE: an idle thread sleeps at once (fair sharing, but slow small ops alone);
   after    no OpenMP variable set: what `draftsmith` sets itself (draftsmith.procenv.share_cores:
-           OMP_WAIT_POLICY=PASSIVE, so an idle thread sleeps at once instead of spinning on a shared core).
+           GOMP_SPINCOUNT=10000, a short spin, then sleep).
 The figure is the wall time of each data-gen process (model load included) and the slowdown of two at
 once against one alone (2.0 = the cores are shared fairly, more = spinning threads waste them). A run
 that does not finish within --timeout-s is reported as such. Run it on an idle machine.
@@ -28,7 +29,7 @@ from draftsmith.artifacts import atomic_write_json
 from draftsmith.machine import machine_info
 
 SPEC_BENCH = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_question.jsonl")
-SETTINGS = {"before": {"GOMP_SPINCOUNT": "300000"}, "after": {}}
+SETTINGS = {"before": {"GOMP_SPINCOUNT": "300000"}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "after": {}}
 OPENMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS")
 
 
@@ -72,13 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--timeout-s", type=float, default=600.0, help="per configuration")
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     args = ap.parse_args(argv)
     result = {"machine": machine_info(), "prompts_n": args.prompts_n, "max_new_tokens": args.max_new_tokens,
-              "batch_size": args.batch_size, "settings": {k: v or "draftsmith's own (OMP_WAIT_POLICY=PASSIVE)"
+              "batch_size": args.batch_size, "settings": {k: v or "draftsmith's own (GOMP_SPINCOUNT=10000)"
                                                           for k, v in SETTINGS.items()}, "rows": {}}
     with tempfile.TemporaryDirectory(prefix="bench_sharing.") as root:
         run_together(1, {}, args, Path(root))  # warm-up: the GGUF -> safetensors cache, page cache
-        for name, env in SETTINGS.items():
+        for name in args.settings:
+            env = SETTINGS[name]
             alone = run_together(1, env, args, Path(root))[0]
             pair = run_together(2, env, args, Path(root))
             slowest = None if None in pair else max(pair)

@@ -5,7 +5,7 @@ Standard library only, because part of it must act before torch is imported: the
 `share_cores()` runs at the very start of the CLI, before anything imports torch. draftsmith.machine (what
 the hardware can do: bf16, threads applied, machine_info) builds on it.
 
-    share_cores()          OMP_WAIT_POLICY=PASSIVE (and KMP_BLOCKTIME=0) unless the user set a policy
+    share_cores()          GOMP_SPINCOUNT=10000 (and KMP_BLOCKTIME=1) unless the user set how OpenMP waits
     thread_count()         (threads, why): the user's OMP_NUM_THREADS, else allowed cores / local processes
     launched_processes()   (processes, why): WORLD_SIZE (torchrun, deepspeed), an srun step's tasks, else 1
 """
@@ -17,21 +17,26 @@ from typing import Mapping, MutableMapping, Optional
 
 READ = object()  # thread_count(parent=READ): read the launcher's environment from /proc
 
-# Idle OpenMP threads sleep instead of spinning: two processes sharing cores (ranks of one job, or a run beside
-# another) otherwise burn each other's cores between parallel regions. libgomp's PASSIVE also sets its spin
-# count (GOMP_SPINCOUNT) to 0; KMP_BLOCKTIME=0 is the same for Intel's OpenMP runtime.
-PASSIVE_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+# Idle OpenMP threads spin briefly, then sleep. libgomp's default (no policy set) spins 300 000 times before
+# sleeping, so two processes sharing cores (ranks of one job, or a run beside another) burn each other's cores
+# between parallel regions; OMP_WAIT_POLICY=PASSIVE (spin 0) fixes that but makes every small op of a
+# batch-1 decode step wait for threads to wake up. Measured on a 2-core Xeon (AMX), 2026-12-01
+# (scripts/bench_sharing.py, scripts/bench_decoder.py): two SmolLM2 data-gens at once took 3.23x one alone with
+# the default spin, 1.14x with PASSIVE, 1.80x with 10 000 (2.0 = the cores shared fairly); one fp32 decode
+# 31.4 tok/s with the default, 18.0 with PASSIVE, 30.6 with 10 000. KMP_BLOCKTIME (ms) is the same knob for
+# Intel's OpenMP runtime.
+SHORT_SPIN_ENV = {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "1"}
 
 
 def share_cores(environ: Optional[MutableMapping[str, str]] = None) -> dict[str, str]:
-    """Set the passive OpenMP wait policy in `environ` (os.environ) where the user set none; returns what it set.
+    """Set a short OpenMP spin in `environ` (os.environ) where the user set none; returns what it set.
 
     Call before torch is imported (the OpenMP runtime reads these when it is loaded); a user's own
     OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME wins."""
     environ = os.environ if environ is None else environ
     if any(k in environ for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")):  # the user chose how libgomp waits
         return {}
-    added = {k: v for k, v in PASSIVE_ENV.items() if k not in environ}
+    added = {k: v for k, v in SHORT_SPIN_ENV.items() if k not in environ}
     environ.update(added)
     return added
 

@@ -230,14 +230,16 @@ def test_use_threads_sets_torch(monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_share_cores_sets_a_passive_wait_policy_unless_the_user_chose():
+def test_share_cores_sets_a_short_spin_unless_the_user_chose():
     env: dict = {}
-    assert procenv.share_cores(env) == {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"} and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert procenv.share_cores(env) == {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "1"} == env
     env = {"OMP_WAIT_POLICY": "ACTIVE"}
     assert procenv.share_cores(env) == {} and env == {"OMP_WAIT_POLICY": "ACTIVE"}
+    env = {"GOMP_SPINCOUNT": "300000"}
+    assert procenv.share_cores(env) == {} and env == {"GOMP_SPINCOUNT": "300000"}
     env = {"KMP_BLOCKTIME": "200"}
     procenv.share_cores(env)
-    assert env == {"KMP_BLOCKTIME": "200", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert env == {"KMP_BLOCKTIME": "200", "GOMP_SPINCOUNT": "10000"}
 
 
 def test_the_cli_sets_the_wait_policy_before_torch_is_imported():
@@ -254,13 +256,13 @@ def test_the_cli_sets_the_wait_policy_before_torch_is_imported():
             main(["data-gen", "--help"])
         except SystemExit:
             pass
-        print("policy:", os.environ.get("OMP_WAIT_POLICY"))
+        print("spin:", os.environ.get("GOMP_SPINCOUNT"))
     """)
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
     result = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONWARNINGS": "ignore"},
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "torch imported first: False" in result.stdout and "policy: PASSIVE" in result.stdout
+    assert "torch imported first: False" in result.stdout and "spin: 10000" in result.stdout
 
 
 # ---- the stages' defaults ------------------------------------------------------------------------
