@@ -22,6 +22,7 @@ import pytest
 from draftsmith import DraftsmithError
 from draftsmith import artifacts as mf
 from draftsmith.cli import main
+from test_outputs import cli_error, snapshot  # the same refusal and survival checks as the outputs tests
 
 TRAIN = ["train", "method=eagle3", "target=tiny", "wandb.mode=disabled", "progress=false", "deepspeed=none",
          "method.draft_vocab_size=64", "method.ttt_steps=2", "micro_batch_size=2", "max_steps=2"]
@@ -46,21 +47,6 @@ def survived(folder: Path, hashes: dict[str, str]) -> None:
     lost = [rel for rel, h in hashes.items()
             if not (folder / rel).is_file() or hashlib.sha256((folder / rel).read_bytes()).hexdigest() != h]
     assert not lost, f"user files lost or changed in {folder}: {lost}"
-
-
-def snapshot(folder: Path) -> dict:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def cli_error(capsys, argv) -> str:
-    """Run the CLI, expect exit 2 and one line on stderr; return it."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
-    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.strip() and "examples/s" not in ln]
-    assert len(err) == 1, err
-    return err[0]
 
 
 def refused_through_a_link(capsys, tmp_path: Path, argv, overwrite_ok: bool = True) -> None:
