@@ -159,18 +159,22 @@ def test_target_needing_its_own_code_is_refused(base, tmp_path, capsys, stage, w
     assert not (folder / "RAN").exists()
 
 
+def draft_model_args(stage: str, folder, base, tmp_path) -> list[str]:
+    """The command line of `stage` reading the draft-model `folder` (train: as the init of method=draft)."""
+    if stage != "train":
+        return stage_args(stage, folder, base, tmp_path)
+    return ["train", "method=draft", "target=tiny", "wandb.mode=disabled", "progress=false", "deepspeed=none",
+            "method.init=from_model", f"method.model={folder}", f"data={base / 'data'}", f"out={tmp_path / 'o'}",
+            "max_steps=1", "micro_batch_size=2"]
+
+
 # eval reads a draft model's weights and config, never its tokenizer: no (eval, tokenizer) case.
 @pytest.mark.parametrize("stage,where", [(stage, where) for stage in ("eval", "export", "publish", "train")
                                          for where in ("tokenizer", "config") if (stage, where) != ("eval", "tokenizer")])
 def test_draft_model_needing_its_own_code_is_refused(base, tmp_path, capsys, stage, where):
     folder = copy(base, "hf", tmp_path)
     path = (with_tokenizer_auto_map if where == "tokenizer" else with_config_auto_map)(folder)
-    if stage == "train":
-        args = ["train", "method=draft", "target=tiny", "wandb.mode=disabled", "progress=false", "deepspeed=none",
-                "method.init=from_model", f"method.model={folder}", f"data={base / 'data'}", f"out={tmp_path / 'o'}",
-                "max_steps=1", "micro_batch_size=2"]
-    else:
-        args = stage_args(stage, folder, base, tmp_path)
+    args = draft_model_args(stage, folder, base, tmp_path)
     line = refused(capsys, *args)
     assert str(path) in line and "auto_map" in line
     assert not (folder / "RAN").exists()
@@ -192,12 +196,7 @@ def test_draft_model_with_only_pickled_weights_is_refused(base, tmp_path, capsys
     (folder / "model.safetensors").unlink()
     marker = tmp_path / "UNPICKLED"
     (folder / "pytorch_model.bin").write_bytes(pickle.dumps({"model.embed_tokens.weight": Payload(marker)}))
-    if stage == "train":
-        args = ["train", "method=draft", "target=tiny", "wandb.mode=disabled", "progress=false", "deepspeed=none",
-                "method.init=from_model", f"method.model={folder}", f"data={base / 'data'}", f"out={tmp_path / 'o'}",
-                "max_steps=1", "micro_batch_size=2"]
-    else:
-        args = stage_args(stage, folder, base, tmp_path)
+    args = draft_model_args(stage, folder, base, tmp_path)
     line = refused(capsys, *args)
     assert str(folder / "pytorch_model.bin") in line and "safetensors" in line and "convert" in line
     assert not marker.exists()
