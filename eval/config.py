@@ -9,6 +9,7 @@ from draftsmith import DraftsmithError, checks
 from draftsmith.data_gen.config import PromptSetConfig
 from draftsmith.data_gen.target import TargetConfig, stage_target
 from draftsmith.eval.decoder import DraftingConfig
+from draftsmith.eval.proposers import NGRAM_MATCHES
 from draftsmith.sampling import SamplingConfig
 
 BASELINES = ("ngram", "hf_generate", "hf_assisted")
@@ -59,6 +60,7 @@ class EvalConfig:
     # n-gram proposer (the `ngram` head and baseline): longest suffix match up to this length.
     ngram_max: int = 3  # n-gram proposer: longest suffix matched (eval/proposers.py NgramProposer)
     ngram_min: int = 1  # n-gram proposer: shortest suffix matched
+    ngram_match: str = "latest"  # n-gram proposer: copy after the latest earlier match | earliest (vLLM's ngram)
     # n-gram + head: with a head folder, draft from a context match (ngram_max..ngram_min) when one exists and
     # from the head otherwise (eval/proposers.py NgramFirstProposer); the report's method is `ngram+<method>`.
     ngram_first: bool = False  # with a head folder: draft by n-gram match when the context has one, else by the head
@@ -96,6 +98,8 @@ class EvalConfig:
         checks.at_least("cost_repeats", self.cost_repeats, 1)
         checks.at_least("near_tie_eps", self.near_tie_eps, 0)
         checks.one_of("engine", self.engine, ENGINES)
+        checks.one_of("ngram_match", self.ngram_match, NGRAM_MATCHES)
+        check_engine_options(self)
         if self.ngram_first and self.head in ("ngram", "none"):
             raise DraftsmithError(f"ngram_first=true needs a head folder to fall back on, not head={self.head}.")
 
@@ -114,6 +118,21 @@ def check_options(cfg) -> None:
         if b not in BASELINES:
             raise DraftsmithError(f"baselines has {b!r}; choose from {', '.join(BASELINES)}.")
     SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)  # checks its own ranges
+
+
+def check_engine_options(cfg) -> None:
+    """engine=vllm measures greedy chain drafting with a fixed K (eval/engine_vllm.py); one sentence otherwise."""
+    if getattr(cfg, "engine", "builtin") != "vllm":
+        return
+    if cfg.temperature != 0:
+        raise DraftsmithError(f"engine=vllm measures greedy decoding: set temperature=0 (not {cfg.temperature}).")
+    if cfg.drafting.mode != "chain":
+        raise DraftsmithError("engine=vllm drafts chains (vLLM's EAGLE and draft-model drafting): set "
+                              "drafting.mode=chain.")
+    if cfg.drafting.stop_below:
+        raise DraftsmithError("engine=vllm drafts a fixed K: set drafting.stop_below=0.")
+    if cfg.ngram_first:
+        raise DraftsmithError("engine=vllm: vLLM has no n-gram-first mode for a head; set ngram_first=false.")
 
 
 def build_settings(cfg) -> tuple[SamplingConfig, DraftingConfig]:

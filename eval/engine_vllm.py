@@ -24,6 +24,7 @@ from typing import Optional
 
 from draftsmith import DraftsmithError, engine
 from draftsmith.eval import metrics
+from draftsmith.eval.config import check_engine_options
 from draftsmith.eval.cost import serving_settings
 
 TARGET_ONLY = "target_only"
@@ -124,15 +125,20 @@ def agreement(samples: list[metrics.Sample], run: dict, k: int, tolerance: float
     deltas = [abs(ours["tau"] - theirs["tau"])] + [abs(a - b) for a, b in zip(pos_ours, pos_theirs)]
     steps = [(d or {}).get("per_step_accepted") for d in run.get("per_request") or []]
     same_steps = [steps_identical(builtin_steps(s), st) for s, st in zip(samples, steps) if st is not None]
+    steps_fraction = sum(same_steps) / len(same_steps) if same_steps else None
     return {"tau_builtin": ours["tau"], "tau_engine": theirs["tau"],
             "per_position_builtin": pos_ours, "per_position_engine": pos_theirs,
             "num_drafts_builtin": ours["num_drafts"], "num_drafts_engine": theirs["num_drafts"],
-            "max_abs_delta": max(deltas), "tolerance": tolerance, "equal": max(deltas) <= tolerance,
-            "steps_identical_fraction": sum(same_steps) / len(same_steps) if same_steps else None}
+            "max_abs_delta": max(deltas), "tolerance": tolerance,
+            "steps_identical_fraction": steps_fraction,
+            # the τ-equality check: pooled figures within the tolerance, and where vLLM gave its per-request
+            # detail, every verification but the last of each prompt identical
+            "equal": max(deltas) <= tolerance and steps_fraction in (None, 1.0)}
 
 
 def sequential_fallback(run: dict) -> bool:
-    """vLLM loaded a parallel-drafting folder (mask_hidden) but drafts one token per forward (no parallel_drafting)."""
+    """vLLM loaded a parallel-drafting folder (mask_hidden) but drafts one token per forward: the speculative
+    config had no "parallel_drafting" (vLLM ignores the folder's own) and vLLM said so in one warning line."""
     return any(SEQUENTIAL_FALLBACK in line for line in run.get("warnings") or [])
 
 
@@ -142,7 +148,7 @@ def engine_report(setup, drafter, samples: dict[str, list[metrics.Sample]], repo
     """Decode the eval's prompts in vLLM and return the report's `engine` (and the engine's recommendation);
     `target_model` is the target's name in the serving commands (its Hub id)."""
     cfg, d = setup.cfg, setup.drafting
-    check_engine_settings(cfg, d, drafter)
+    check_engine_options(cfg)
     base = samples[TARGET_ONLY]
     prompts = [s.prompt_ids for s in base]
     runs = engine_runs(cfg, drafter, d.num_speculative_tokens)
@@ -167,6 +173,9 @@ def engine_report(setup, drafter, samples: dict[str, list[metrics.Sample]], repo
         builtin_name = run["name"] if run["name"] in samples else None
         section["runs"][run["name"]] = run_section(run, got, samples.get(builtin_name), engine_base, base_tps,
                                                    base)
+        if run["speculative_config"]["method"] == "ngram" and getattr(cfg, "ngram_match", "latest") != "earliest":
+            section["runs"][run["name"]]["note"] = ("the built-in n-gram copies after the latest match, vLLM's after "
+                                                    "the earliest: ngram_match=earliest counts as vLLM does")
     main = section["runs"].get(drafter.method)
     if main is not None and main.get("loaded"):
         section.update({k: main[k] for k in ("tau", "per_position_acceptance", "speculative_tokens_per_s", "speedup",
@@ -177,19 +186,6 @@ def engine_report(setup, drafter, samples: dict[str, list[metrics.Sample]], repo
         out["builtin_recommendation"] = report.get("recommendation")
         out["recommendation"] = rec
     return out
-
-
-def check_engine_settings(cfg, drafting, drafter) -> None:
-    """What engine=vllm measures: greedy chain drafting of a head vLLM serves (one sentence otherwise)."""
-    if cfg.temperature != 0:
-        raise DraftsmithError(f"engine=vllm measures greedy decoding: set temperature=0 (not {cfg.temperature}).")
-    if drafting.mode != "chain":
-        raise DraftsmithError("engine=vllm drafts chains (vLLM's EAGLE and draft-model drafting): set "
-                              "drafting.mode=chain.")
-    if drafting.stop_below:
-        raise DraftsmithError("engine=vllm drafts a fixed K: set drafting.stop_below=0.")
-    if drafter.method.startswith("ngram+"):
-        raise DraftsmithError("engine=vllm: vLLM has no n-gram-first mode for a head; set ngram_first=false.")
 
 
 def run_section(run: dict, got: dict, builtin: Optional[list[metrics.Sample]], engine_base: dict, base_tps: float,
@@ -233,6 +229,8 @@ def engine_recommendation(section: dict, drafter, setup, report: dict, target_mo
         d = setup.drafting
         settings = serving_settings(drafter.method, target_model, drafter.info.get("path"), k, d.mode, d.tree_top_k,
                                     None, setup.cfg.ngram_min, setup.cfg.ngram_max)
+    table = (report.get("cost_model") or {}).get("table") or []
+    predicted = next((r["predicted_speedup"] for r in table if r["k"] == k), float("nan"))  # the built-in cost model's
     return {"k": k, "mode": setup.drafting.mode, "measured_speedup": best, "measured_by": "vllm",
-            "predicted_speedup": builtin.get("predicted_speedup") if builtin.get("k") == k else None,
-            "faster_than_target_only": best > 1.0, **{key: settings[key] for key in ("vllm", "sglang")}}
+            "predicted_speedup": predicted, "faster_than_target_only": best > 1.0,
+            **{key: settings[key] for key in ("vllm", "sglang")}}

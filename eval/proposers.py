@@ -34,16 +34,23 @@ from draftsmith.heads.eagle3 import StaticKVCache
 from draftsmith.sampling import SamplingConfig, process_logits
 
 
+NGRAM_MATCHES = ("latest", "earliest")  # which occurrence of the suffix a draft copies from (earliest = vLLM's)
+
+
 class NgramProposer:
-    """Prompt lookup: find the latest earlier occurrence of the last n tokens (n = ngram_max..ngram_min)
-    and copy what followed it. Always a chain (tree mode drafts the same chain), q one-hot."""
+    """Prompt lookup: find an earlier occurrence of the last n tokens (n = ngram_max..ngram_min, longest first)
+    and copy what followed it: the latest occurrence, or with match="earliest" the first one, as vLLM's
+    `ngram` method does (vllm/v1/spec_decode/ngram_proposer.py). Always a chain (tree mode drafts the same
+    chain), q one-hot."""
 
     needs_aux = False
 
-    def __init__(self, ngram_max: int, ngram_min: int):
+    def __init__(self, ngram_max: int, ngram_min: int, match: str = "latest"):
         if not 1 <= ngram_min <= ngram_max:
             raise DraftsmithError(f"ngram: need 1 <= ngram_min ({ngram_min}) <= ngram_max ({ngram_max}).")
-        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+        if match not in NGRAM_MATCHES:
+            raise DraftsmithError(f"ngram_match={match!r} is not one of {', '.join(NGRAM_MATCHES)}.")
+        self.ngram_max, self.ngram_min, self.match = ngram_max, ngram_min, match
         self.seq: list[int] = []
 
     def reset(self, prompt_ids):
@@ -56,7 +63,8 @@ class NgramProposer:
         k, seq = drafting.num_speculative_tokens, self.seq
         for n in range(min(self.ngram_max, len(seq) - 1), self.ngram_min - 1, -1):
             pattern = seq[-n:]
-            for j in range(len(seq) - n - 1, -1, -1):  # latest match first, never the suffix itself
+            starts = range(len(seq) - n - 1, -1, -1)  # latest match first, never the suffix itself
+            for j in (reversed(starts) if self.match == "earliest" else starts):
                 if seq[j:j + n] == pattern:
                     cont = seq[j + n:j + n + k]
                     return Draft(cont, list(range(-1, len(cont) - 1)))

@@ -137,8 +137,9 @@ def cost_lines(report: dict) -> list[str]:
                    "still slower than target-only decoding on this hardware: do not turn speculative decoding on "
                    "with this head here; these are the least slow settings")
         lines += ["", "## Recommendation", "",
-                  f"Best measured: {rec['mode']} K = {rec['k']}, {_f(rec['measured_speedup'])}x "
-                  f"(predicted {_f(rec['predicted_speedup'])}x), {verdict}.", ""]
+                  f"Best measured{' in vLLM' if rec.get('measured_by') == 'vllm' else ''}: {rec['mode']} K = "
+                  f"{rec['k']}, {_f(rec['measured_speedup'])}x (predicted {_f(rec['predicted_speedup'])}x), {verdict}.",
+                  ""]
         for engine in ("vllm", "sglang"):
             e = rec.get(engine) or {}
             lines += [f"{'vLLM' if engine == 'vllm' else 'SGLang'}:", ""]
@@ -208,7 +209,8 @@ def summary_lines(report: dict) -> str:
         lines.append(f"  baseline {name}: {tau}{b['tokens_per_s']:.1f} tokens/s, speedup {b['speedup']:.2f}x")
     rec = report.get("recommendation")
     if rec:
-        lines.append(f"  best K={rec['k']} ({rec['mode']}): {rec['measured_speedup']:.2f}x measured, "
+        where = " in vLLM" if rec.get("measured_by") == "vllm" else ""
+        lines.append(f"  best K={rec['k']} ({rec['mode']}): {rec['measured_speedup']:.2f}x measured{where}, "
                      f"{rec['predicted_speedup']:.2f}x predicted")
         for engine in ("vllm", "sglang"):
             if (rec.get(engine) or {}).get("command"):

@@ -88,7 +88,8 @@ def load_drafter(cfg, target: Target, max_len: int) -> Drafter:
         return Drafter("none", None, {"kind": "none"})
     if head == "ngram":
         return Drafter("ngram", lambda: ngram_proposer(cfg),
-                       {"kind": "ngram", "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max})
+                       {"kind": "ngram", "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max,
+                        "ngram_match": getattr(cfg, "ngram_match", "latest")})
     path = Path(head)
     if not path.is_dir():
         raise DraftsmithError(f"head={head!r} is neither `ngram`, `none` nor a folder.")
@@ -109,7 +110,7 @@ def load_drafter(cfg, target: Target, max_len: int) -> Drafter:
 def ngram_proposer(cfg) -> Proposer:
     from draftsmith.eval.proposers import NgramProposer
 
-    return NgramProposer(cfg.ngram_max, cfg.ngram_min)
+    return NgramProposer(cfg.ngram_max, cfg.ngram_min, getattr(cfg, "ngram_match", "latest"))
 
 
 def with_ngram_first(cfg, drafter: Drafter) -> Drafter:

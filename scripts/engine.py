@@ -27,7 +27,7 @@ from typing import Optional
 from draftsmith import DraftsmithError
 
 PYTHON_ENV = "DRAFTSMITH_VLLM_PYTHON"  # the engine venv's python (default: .venv-vllm/bin/python)
-REQUIRE_ENV = "DRAFTSMITH_REQUIRE_ENGINE"  # 1 (CI): a missing engine fails the engine tests instead of skipping
+REQUIRE_ENV = "DRAFTSMITH_REQUIRE_ENGINE"  # 1: a missing engine fails the engine tests instead of skipping
 VENV = ".venv-vllm"
 INSTALL = "bash scripts/setup.sh --engine"
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -68,8 +68,10 @@ def engine_missing() -> Optional[str]:
 
 
 def engine_required() -> bool:
-    """CI sets DRAFTSMITH_REQUIRE_ENGINE=1 (or CI=1): there a missing engine is a failure, not a skip."""
-    return any(os.environ.get(k, "").lower() in ("1", "true", "yes") for k in (REQUIRE_ENV, "CI"))
+    """DRAFTSMITH_REQUIRE_ENGINE=1 (what .ci/run sets with --engine): a missing engine is a failure, not a skip.
+
+    Only this flag, not a CI service's own CI=true: .ci/run is the one switch that installs the engine."""
+    return os.environ.get(REQUIRE_ENV, "").lower() in ("1", "true", "yes")
 
 
 def engine_env() -> dict[str, str]:
@@ -80,8 +82,9 @@ def engine_env() -> dict[str, str]:
     return env
 
 
-def run_job(job: dict, timeout_s: float = 3600, log_path: Optional[Path] = None) -> dict:
-    """Run `job` (vllm_worker.py's format) in the engine's python; its result, with `log` = the log file."""
+def run_job(job: dict, timeout_s: float = 3600, log_path: Optional[Path] = None, worker: Path = WORKER) -> dict:
+    """Run `job` in the engine's python with `worker` (vllm_worker.py, or data-gen's vllm_generate.py: the job in
+    its format); the worker's result, with `log` = the log file."""
     missing = engine_missing()
     if missing:
         raise DraftsmithError(f"engine=vllm: {missing}.")
@@ -89,7 +92,7 @@ def run_job(job: dict, timeout_s: float = 3600, log_path: Optional[Path] = None)
         job_file, result_file = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_file.write_text(json.dumps(job))
         log = Path(log_path) if log_path else Path(tmp) / "engine.log"
-        command = [str(engine_python()), str(WORKER), str(job_file), str(result_file)]
+        command = [str(engine_python()), str(worker), str(job_file), str(result_file)]
         with open(log, "w") as out:
             # its own process group: vLLM's engine-core and worker processes go with it on a timeout or Ctrl-C
             proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=engine_env(),
@@ -106,8 +109,28 @@ def run_job(job: dict, timeout_s: float = 3600, log_path: Optional[Path] = None)
         if rc != 0 or not result_file.is_file():
             raise DraftsmithError(f"engine=vllm: the engine exited with status {rc}; its log ends: {_tail(log)}")
         result = json.loads(result_file.read_text())
+        for name, lines in run_log_lines(log).items():  # vLLM's worker processes log there, not to the worker
+            if name in result["runs"]:
+                result["runs"][name]["warnings"] = list(dict.fromkeys(result["runs"][name].get("warnings", []) + lines))
         result["log"] = str(log) if log_path else None
         return result
+
+
+MARKER = "[draftsmith-engine-run]"  # vllm_worker.py's lines around each run in the job's log
+
+
+def run_log_lines(log: Path) -> dict[str, list[str]]:
+    """Each run's WARNING and ERROR lines in the job's log (between the worker's begin / end markers)."""
+    out: dict[str, list[str]] = {}
+    current = None
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith(MARKER):
+            edge, _, name = line[len(MARKER):].strip().partition(" ")
+            current = name if edge == "begin" else None
+            out.setdefault(name, [])
+        elif current is not None and (" WARNING " in line or " ERROR " in line):
+            out[current].append(line.split("] ", 1)[-1].strip())
+    return out
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

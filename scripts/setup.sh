@@ -4,7 +4,7 @@
 # Idempotent: a second run only checks what is there.
 #
 #   bash scripts/setup.sh            .venv only
-#   bash scripts/setup.sh --engine   also .venv-vllm: vLLM for CPU, the engine every export is tested in (CI)
+#   bash scripts/setup.sh --engine   also .venv-vllm: vLLM for CPU, the engine every export is tested in
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

@@ -30,6 +30,7 @@ import traceback
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
             "vllm:spec_decode_num_accepted_tokens")
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+MARKER = "[draftsmith-engine-run]"
 
 
 class LogLines(logging.Handler):
@@ -53,15 +54,18 @@ def counters(llm) -> dict:
         if isinstance(m, Counter) and m.name in COUNTERS:
             out[m.name] += int(m.value)
         elif isinstance(m, Vector) and m.name == PER_POS:
-            vals = [int(v) for v in m.values]
-            old = out[PER_POS]
-            out[PER_POS] = [a + b for a, b in zip(old + [0] * len(vals), vals + [0] * len(old))][:max(len(old),
-                                                                                                   len(vals))]
+            out[PER_POS] = add_positions(out[PER_POS], [int(v) for v in m.values])
     return out
 
 
+def add_positions(a: list[int], b: list[int], sign: int = 1) -> list[int]:
+    """a + sign * b, position by position (the shorter one padded with zeros)."""
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + sign * (b[i] if i < len(b) else 0) for i in range(n)]
+
+
 def delta(after: dict, before: dict) -> dict:
-    per_pos = [a - (before[PER_POS][i] if i < len(before[PER_POS]) else 0) for i, a in enumerate(after[PER_POS])]
+    per_pos = add_positions(after[PER_POS], before[PER_POS], -1)
     return {"num_drafts": after[COUNTERS[0]] - before[COUNTERS[0]],
             "num_draft_tokens": after[COUNTERS[1]] - before[COUNTERS[1]],
             "num_accepted_tokens": after[COUNTERS[2]] - before[COUNTERS[2]],
@@ -105,15 +109,14 @@ def decode(llm, job: dict, prompts: list[list[int]], record: bool) -> tuple[list
 
     params = SamplingParams(temperature=0.0, max_tokens=int(job["max_tokens"]),
                             stop_token_ids=list(job.get("stop_token_ids") or []), detokenize=False)
+    repeats = max(int(job.get("repeats", 1)), 1) if record else 1
     tokens, seconds, detail = [], [], []
     for ids in prompts:
         times, out = [], None
-        for _ in range(max(int(job.get("repeats", 1)), 1) if record else 1):
+        for _ in range(repeats):
             t0 = time.perf_counter()
             out = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)[0]
             times.append(time.perf_counter() - t0)
-            if not record:
-                break
         completion = out.outputs[0]
         tokens.append(list(completion.token_ids))
         seconds.append(statistics.median(times))
@@ -123,6 +126,20 @@ def decode(llm, job: dict, prompts: list[list[int]], record: bool) -> tuple[list
 
 
 def run_one(job: dict, run: dict, log: LogLines) -> dict:
+    marker(run["name"], "begin")
+    try:
+        return _run_one(job, run, log)
+    finally:
+        marker(run["name"], "end")
+
+
+def marker(name: str, edge: str) -> None:
+    """A line in the job's log (all of vLLM's processes write there) that opens or closes this run's lines:
+    draftsmith.engine attaches each run's warnings to it, those of vLLM's worker processes included."""
+    print(f"{MARKER} {edge} {name}", flush=True)
+
+
+def _run_one(job: dict, run: dict, log: LogLines) -> dict:
     first = len(log.lines)
     t0 = time.perf_counter()
     try:
@@ -132,10 +149,10 @@ def run_one(job: dict, run: dict, log: LogLines) -> dict:
                 "warnings": log.lines[first:]}
     try:
         load_s = time.perf_counter() - t0
-        sc = llm.llm_engine.vllm_config.speculative_config
-        info = {"method": getattr(sc, "method", None), "parallel_drafting": bool(getattr(sc, "parallel_drafting",
-                                                                                           False)),
-                "num_speculative_tokens": getattr(sc, "num_speculative_tokens", None)} if sc is not None else None
+        sc = llm.llm_engine.vllm_config.speculative_config  # what vLLM made of the run (None: target-only)
+        info = None if sc is None else {"method": getattr(sc, "method", None),
+                                        "parallel_drafting": bool(getattr(sc, "parallel_drafting", False)),
+                                        "num_speculative_tokens": getattr(sc, "num_speculative_tokens", None)}
         prompts = job["prompts"]
         warm = prompts[: int(job.get("warmup", 1))]
         if warm:

@@ -4,7 +4,6 @@ vLLM's counters (the real engine: tests/test_engine_vllm.py, slow)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import textwrap
@@ -34,7 +33,7 @@ def test_a_python_without_vllm_is_not_an_engine(monkeypatch):
     assert "cannot import vllm" in engine.engine_missing()
 
 
-@pytest.mark.parametrize("env, required", [({}, False), ({"CI": "1"}, True), ({engine.REQUIRE_ENV: "1"}, True),
+@pytest.mark.parametrize("env, required", [({}, False), ({"CI": "true"}, False), ({engine.REQUIRE_ENV: "1"}, True),
                                            ({engine.REQUIRE_ENV: "0"}, False)])
 def test_ci_requires_the_engine(monkeypatch, env, required):
     for key in ("CI", engine.REQUIRE_ENV):
@@ -146,7 +145,8 @@ def test_worker_runs_a_job_and_records_refusals(standin_engine):
     assert engine.engine_missing() is None
     job = ev_engine.engine_job("target", [[1, 2], [3, 4, 5]], 4, [2], [
         {"name": "target_only", "speculative_config": None},
-        {"name": "eagle3", "k": 2, "speculative_config": {"method": "eagle3", "model": "h", "num_speculative_tokens": 2}},
+        {"name": "eagle3", "k": 2,
+         "speculative_config": {"method": "eagle3", "model": "h", "num_speculative_tokens": 2}},
         {"name": "broken", "k": 2, "model": "refused", "speculative_config": None}], repeats=2, warmup=1)
     result = engine.run_job(job, timeout_s=120)
     assert result["vllm_version"] == "0.0-standin"
@@ -221,21 +221,39 @@ def test_speculative_configs_are_the_served_ones():
 
 
 def test_sequential_fallback_is_read_from_vllms_warning():
-    line = "mask_hidden found in weights but model is not configured for parallel drafting. Skipping loading mask_hidden."
+    line = ("mask_hidden found in weights but model is not configured for parallel drafting. Skipping loading "
+            "mask_hidden.")
     assert ev_engine.sequential_fallback({"warnings": [line]})
     assert not ev_engine.sequential_fallback({"warnings": []})
 
 
-def test_eval_engine_option(compose_cfg):
-    from types import SimpleNamespace
+@pytest.mark.parametrize("overrides, says", [
+    (["engine=vlm"], "engine=vlm is not one of builtin, vllm"),
+    (["engine=vllm", "temperature=1"], "set temperature=0"),
+    (["engine=vllm", "drafting.mode=tree"], "set drafting.mode=chain"),
+    (["engine=vllm", "drafting.stop_below=0.3"], "set drafting.stop_below=0"),
+    (["engine=vllm", "head=runs/x", "ngram_first=true"], "set ngram_first=false"),
+    (["ngram_match=first"], "ngram_match=first is not one of latest, earliest")])
+def test_eval_engine_options_are_checked_when_built(compose_cfg, overrides, says):
+    with pytest.raises(DraftsmithError, match=says):
+        compose_cfg("eval", *overrides)
 
+
+def test_eval_defaults_to_the_builtin_engine(compose_cfg):
+    cfg = compose_cfg("eval")
+    assert cfg.engine == "builtin" and cfg.ngram_match == "latest"
+    assert compose_cfg("eval", "engine=vllm").engine == "vllm"
+
+
+def test_ngram_earliest_copies_what_vllm_copies():
     from draftsmith.eval.decoder import DraftingConfig
+    from draftsmith.eval.proposers import NgramProposer
+    from draftsmith.sampling import SamplingConfig
 
-    with pytest.raises(DraftsmithError, match="engine=vlm is not one of builtin, vllm"):
-        compose_cfg("eval", "engine=vlm")
-    assert compose_cfg("eval").engine == "builtin"
-    drafter = SimpleNamespace(method="eagle3")
-    with pytest.raises(DraftsmithError, match="temperature=0"):
-        ev_engine.check_engine_settings(SimpleNamespace(temperature=1.0), DraftingConfig(), drafter)
-    with pytest.raises(DraftsmithError, match="drafting.mode=chain"):
-        ev_engine.check_engine_settings(SimpleNamespace(temperature=0.0), DraftingConfig(mode="tree"), drafter)
+    seq = [7, 1, 2, 7, 3, 4, 7]  # the suffix [7] occurs at 0 and 3
+    drafts = {}
+    for match in ("latest", "earliest"):
+        p = NgramProposer(3, 1, match)
+        p.reset(seq)
+        drafts[match] = p.propose(DraftingConfig(num_speculative_tokens=2), SamplingConfig()).tokens
+    assert drafts == {"latest": [3, 4], "earliest": [1, 2]}
