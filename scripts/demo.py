@@ -57,8 +57,8 @@ SMOLLM2 = dict(target="smollm2", n_prompts=480, max_prompt_tokens=64, eval_promp
 FLAVOURS = {
     # The default: the sizes below scaled to fit budget_min on this machine, from rates measured by a
     # calibration run of the same three stages (out/calibration/) at the start. Two epochs over the data (the
-    # learning curve's recipe, scripts/bench_learning_curve.py); lr 3e-3: the best held-out E[tau] per minute of
-    # training among 3e-4 / 1e-3 / 3e-3 (scripts/bench_sample_efficiency.py).
+    # learning curve's recipe, benchmarks/bench_learning_curve.py); lr 3e-3: the best held-out E[tau] per minute of
+    # training among 3e-4 / 1e-3 / 3e-3 (benchmarks/bench_sample_efficiency.py).
     "smollm2": dict(SMOLLM2, budget=True),
     # The fixed sizes the README's earlier figures were measured with (17 min 36 s on a 2-core Intel Xeon with
     # AMX-bf16, 2026-11-30): 480 samples seen twice. On a CPU without native bf16 it takes far longer.

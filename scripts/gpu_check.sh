@@ -31,6 +31,6 @@ if grep -q "skipped" "$OUT/pytest.log"; then
 fi
 
 # 2. speed: ours (CUDA graphs) vs HF generate, bf16 then fp32, and the verify/step cost ratios
-timeout 120 "$PY" scripts/bench_decoder.py --device cuda --dtypes bfloat16 float32 --max-new-tokens 64 \
+timeout 120 "$PY" benchmarks/bench_decoder.py --device cuda --dtypes bfloat16 float32 --max-new-tokens 64 \
     --repeats 3 --out "$OUT/bench_decoder.json" 2>&1 | tee "$OUT/bench_decoder.log"
 echo "gpu_check: done; $OUT/pytest.log, $OUT/bench_decoder.json"

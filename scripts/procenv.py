@@ -21,7 +21,7 @@ READ = object()  # thread_count(parent=READ): read the launcher's environment fr
 # sleeping, so two processes sharing cores (ranks of one job, or a run beside another) burn each other's cores
 # between parallel regions; OMP_WAIT_POLICY=PASSIVE (spin 0) fixes that but makes every small op of a
 # batch-1 decode step wait for threads to wake up. Measured on a 2-core Xeon (AMX), 2026-12-01
-# (scripts/bench_sharing.py, scripts/bench_decoder.py): two SmolLM2 data-gens at once took 3.23x one alone with
+# (benchmarks/bench_sharing.py, benchmarks/bench_decoder.py): two SmolLM2 data-gens at once took 3.23x one alone with
 # the default spin, 1.14x with PASSIVE, 1.80x with 10 000 (2.0 = the cores shared fairly); one fp32 decode
 # 31.4 tok/s with the default, 18.0 with PASSIVE, 30.6 with 10 000. KMP_BLOCKTIME (ms) is the same knob for
 # Intel's OpenMP runtime.

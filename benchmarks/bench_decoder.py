@@ -2,8 +2,8 @@
 same dtype (side by side, interleaved, one run), per dtype; the target's verify(k) / step cost ratio (the cost
 model's input); optionally n-gram speculative tau / speedup. Warm-up excluded, median of repeats. Prints, writes JSON.
 
-    python scripts/bench_decoder.py --dtypes float32 bfloat16 --max-new-tokens 48 --repeats 3 --out bench_decoder.json
-    python scripts/bench_decoder.py --device cuda --dtypes bfloat16     # CUDA: target passes replayed from CUDA graphs
+    python benchmarks/bench_decoder.py --dtypes float32 bfloat16 --max-new-tokens 48 --repeats 3 --out bench_decoder.json
+    python benchmarks/bench_decoder.py --device cuda --dtypes bfloat16     # CUDA: target passes replayed from CUDA graphs
 """
 
 from __future__ import annotations

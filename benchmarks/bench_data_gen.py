@@ -1,6 +1,6 @@
 """Benchmark of data-gen's generation on the embedded SmolLM2 (not a test).
 
-    python scripts/bench_data_gen.py --out runs/bench_data_gen.json [--dtypes float32,bfloat16]
+    python benchmarks/bench_data_gen.py --out runs/bench_data_gen.json [--dtypes float32,bfloat16]
         [--prompts-n 32] [--max-new-tokens 96] [--batches 16,32] [--one-prompts 3] [--repeats 1]
 
 Greedy, the first user turns of Spec-Bench as prompts, side by side in one run:

@@ -1,6 +1,6 @@
 """Benchmark: which training choices buy the most held-out acceptance per minute of training (not a test).
 
-    nice python scripts/bench_sample_efficiency.py --data runs/curve/plain/data --out runs/efficiency \\
+    nice python benchmarks/bench_sample_efficiency.py --data runs/curve/plain/data --out runs/efficiency \\
         --budget-s 180 --val-samples 40 [--configs base lr_3e-4 lr_3e-3 constant_lr vocab_32000 online batch_4]
 
 Every config trains an EAGLE-3 head on the same data (its last --val-samples rows held out) for the same

@@ -1,9 +1,9 @@
 """Benchmark: dynamic draft length vs fixed K, and n-gram + head vs each alone (not a test).
 
-    python scripts/bench_proposers.py dynamic --heads runs/bench_peagle/eagle3/final runs/bench_peagle/peagle/final \\
+    python benchmarks/bench_proposers.py dynamic --heads runs/bench_peagle/eagle3/final runs/bench_peagle/peagle/final \\
         --prompts holdout --data runs/bench_peagle/data --holdout 6 --k 5 --fixed-ks 1 2 3 5 \\
         --stop-below 0.1 0.2 0.4 --max-new-tokens 40 --out runs/bench_proposers/dynamic.json
-    python scripts/bench_proposers.py ngram --heads runs/bench_peagle/eagle3/final \\
+    python benchmarks/bench_proposers.py ngram --heads runs/bench_peagle/eagle3/final \\
         --prompts question --questions /work/shared/data/spec_bench_question.jsonl --per-category 1 \\
         --ngram-min 2 --max-new-tokens 40 --out runs/bench_proposers/ngram_head.json
 
@@ -29,7 +29,7 @@ import torch
 
 from draftsmith.machine import machine_info
 from draftsmith.artifacts import atomic_write_json
-from draftsmith.bench_peagle import TimedProposer
+from bench_peagle import TimedProposer
 from draftsmith.configs import compose
 
 

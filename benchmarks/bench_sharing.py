@@ -1,6 +1,6 @@
 """Benchmark: two draftsmith processes sharing the cores, against one alone (not a test).
 
-    python scripts/bench_sharing.py --out runs/bench_sharing.json [--prompts-n 4] [--max-new-tokens 48]
+    python benchmarks/bench_sharing.py --out runs/bench_sharing.json [--prompts-n 4] [--max-new-tokens 48]
 
 Runs `draftsmith data-gen` on the embedded SmolLM2 (Spec-Bench first turns, greedy, fp32, no hidden
 states) as a subprocess: once alone, then two at once on the same cores, under two OpenMP settings:

@@ -1,6 +1,6 @@
 """Benchmark: P-EAGLE vs EAGLE-3 on the embedded SmolLM2 at an equal training budget (not a test).
 
-    python scripts/bench_peagle.py --data runs/bench_peagle/data --out runs/bench_peagle --steps 150
+    python benchmarks/bench_peagle.py --data runs/bench_peagle/data --out runs/bench_peagle --steps 150
         [--eagle3-head DIR] [--peagle-head DIR] [--ks 3 5 7] [--holdout 6] [--max-new-tokens 64] [--repeats 1]
 
 1. train (unless a head folder is given, or `<out>/<method>/final` is there): an EAGLE-3 head and a P-EAGLE head on the same data-gen output, same

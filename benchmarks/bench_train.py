@@ -1,8 +1,8 @@
 """EAGLE-3 training-step time on CPU, draftsmith's offline step next to SpecForge's, measured in one run.
 
-    python scripts/bench_train.py                      # smollm2, batch 1, 256 tokens, TTT 7, vocab 32000 and 8192
-    python scripts/bench_train.py --rounds 3 --steps 4 --json bench_train.json
-    python scripts/bench_train.py --online             # also time draftsmith's online step (target forward included)
+    python benchmarks/bench_train.py                      # smollm2, batch 1, 256 tokens, TTT 7, vocab 32000 and 8192
+    python benchmarks/bench_train.py --rounds 3 --steps 4 --json bench_train.json
+    python benchmarks/bench_train.py --online             # also time draftsmith's online step (target forward included)
 
 draftsmith's step = the target distributions over the draft vocab (from the stored last hidden state through
 the draft-vocab rows of the frozen lm_head, with the full-vocab argmax and logsumexp that data-gen stores

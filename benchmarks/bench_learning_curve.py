@@ -1,6 +1,6 @@
 """Benchmark: a learning curve of EAGLE-3 heads against the amount of self-generated data (not a test).
 
-    nice python scripts/bench_learning_curve.py --out runs/curve --samples 80 240 720
+    nice python benchmarks/bench_learning_curve.py --out runs/curve --samples 80 240 720
         [--variants plain filtered mix mix_filtered] [--ks 3 7] [--heldout 16] [--spec-bench-n 16]
         [--target smollm2] [--gen-max-new-tokens 128] [--epochs 2] [--mode offline] [--eval-max-new-tokens 64]
 

@@ -1,6 +1,6 @@
 """Benchmark of draft-model distillation on the embedded SmolLM2 (not a test).
 
-    python scripts/bench_draft.py --data runs/smol --out bench_draft.json [--layers 4] [--steps 40] [--mode offline]
+    python benchmarks/bench_draft.py --data runs/smol --out bench_draft.json [--layers 4] [--steps 40] [--mode offline]
         [--losses fkl rkl jsd tv ce] [--holdout 6] [--max-new-tokens 48] [--temperatures 0 1]
 
 1. `before`: a draft of --layers of SmolLM2's 30 layers (spread from first to last; the target's

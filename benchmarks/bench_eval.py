@@ -1,6 +1,6 @@
 """Benchmark of the built-in decoder on the embedded SmolLM2 with Spec-Bench prompts (not a test).
 
-    python scripts/bench_eval.py --out bench_eval.json [--head runs/demo/head/final]
+    python benchmarks/bench_eval.py --out bench_eval.json [--head runs/demo/head/final]
         [--per-category 2] [--max-new-tokens 64] [--repeats 1] [--temperatures 0 1] [--modes chain tree]
 
 For every (temperature, drafting mode): target-only decoding and speculative decoding with the
@@ -10,7 +10,7 @@ Prints tau and speedup per row and writes them (with the full eval reports) to -
 
 The K sweep and the cost model (predicted vs measured speedup per K, the recommended serving flags):
 
-    python scripts/bench_eval.py --head runs/bench_peagle/eagle3/final --prompts runs/bench_peagle/data \
+    python benchmarks/bench_eval.py --head runs/bench_peagle/eagle3/final --prompts runs/bench_peagle/data \
         --prompts-source holdout --holdout 6 --temperatures 0 --modes chain --sweep-k 1 2 3 5 --k 3 --no-ngram
 """
 
