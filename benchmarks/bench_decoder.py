@@ -17,12 +17,12 @@ import time
 
 import torch
 
-from draftsmith.machine import machine_info
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.eval import cost
 from draftsmith.eval.decoder import DraftingConfig, speculative_generate
-from draftsmith.eval.proposers import NgramProposer
+from draftsmith.eval.proposers.ngram import NgramProposer
 from draftsmith.eval.target_runner import TargetRunner
+from draftsmith.machine import machine_info
 from draftsmith.sampling import SamplingConfig
 
 PROMPTS = [

@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
 
     from draftsmith.data_gen.target import TargetConfig, load_target
-    from draftsmith.heads.draft import pick_layers, draft_from_target, save_draft
+    from draftsmith.heads.draft import draft_from_target, pick_layers
+    from draftsmith.heads.draft_folders import save_draft
 
     target = load_target(TargetConfig(name=args.target))
     layers = pick_layers(target.num_layers, args.layers, "spread")

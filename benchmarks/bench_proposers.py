@@ -26,11 +26,11 @@ import time
 from pathlib import Path
 
 import torch
-
-from draftsmith.machine import machine_info
-from draftsmith.artifacts import atomic_write_json
 from bench_peagle import TimedProposer
+
+from draftsmith.artifacts import atomic_write_json
 from draftsmith.configs import compose
+from draftsmith.machine import machine_info
 
 
 def prepare_setup(args, k_max: int):
@@ -176,7 +176,7 @@ def dynamic_result(args, rows, totals) -> dict:
 
 def bench_ngram(args):
     from draftsmith.eval.decoder import DraftingConfig
-    from draftsmith.eval.proposers import NgramFirstProposer, NgramProposer
+    from draftsmith.eval.proposers.ngram import NgramFirstProposer, NgramProposer
 
     cfg, setup = prepare_setup(args, args.k)
     drafting = DraftingConfig("chain", args.k)

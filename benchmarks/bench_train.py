@@ -51,7 +51,8 @@ class DraftsmithStep:
         from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
         from draftsmith.heads.vocab import build_vocab_map
         from draftsmith.train.config import TrainConfig
-        from draftsmith.train.eagle3 import Eagle3Config, Eagle3Step, TargetHead
+        from draftsmith.train.eagle3 import Eagle3Config, Eagle3Step
+        from draftsmith.train.features import TargetHead
         from draftsmith.train.trainer import TrainerConfig, autocast, wrap_for_training
 
         cfg = OmegaConf.structured(TrainConfig(data="-", precision=precision, method=Eagle3Config(ttt_steps=ttt)))

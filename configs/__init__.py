@@ -7,9 +7,19 @@ defaults so every YAML option is type-checked against it.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib
+import re
 
+from hydra import compose as hydra_compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, ListConfig, MISSING, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from draftsmith import DraftsmithError
+from draftsmith.methods import methods
 
 CONFIG_MODULE = "draftsmith.configs"
 
@@ -18,8 +28,8 @@ SCHEMAS = {
     "data_gen": "draftsmith.data_gen.config:DataGenConfig",
     "train": "draftsmith.train.config:TrainConfig",
     "eval": "draftsmith.eval.config:EvalConfig",
-    "export": "draftsmith.heads.export:ExportConfig",
-    "publish": "draftsmith.heads.publish:PublishConfig",
+    "export": "draftsmith.export:ExportConfig",
+    "publish": "draftsmith.publish:PublishConfig",
     "demo": "draftsmith.demo:DemoConfig",
 }
 
@@ -30,17 +40,16 @@ def schema(config_name: str):
 
 
 def register_configs(config_name: str) -> None:
-    """Store the stage's schema, and every trainable method's options as `method/<name>_schema`."""
-    from omegaconf import MISSING, OmegaConf
-
-    from draftsmith.methods import methods
-
+    """Store the stage's schema, and (for a stage with a `method` group: train) every trainable method's options
+    as `method/<name>_schema`."""
     store = ConfigStore.instance()
     cls = schema(config_name)
     node = OmegaConf.structured(cls)
     for name in getattr(cls, "CHOSEN_BY_GROUP", ()):
         node[name] = MISSING  # typed by the group option the YAML picks (method=eagle3 -> Eagle3Config)
     store.store(name=f"{config_name}_schema", node=node)
+    if "method" not in getattr(cls, "CHOSEN_BY_GROUP", ()):
+        return  # a stage without a `method` group (eval, export, ...) never imports a method's training code
     for name, entry in methods().items():
         if entry.config is not None:
             store.store(group="method", name=f"{name}_schema", node=entry.config)
@@ -51,9 +60,6 @@ def compose(config_name: str, overrides: list[str] | None = None, *, missing_ok:
 
     A bad override or option value raises DraftsmithError (one sentence). `???` options (a required
     path) may stay unset unless `missing_ok=False`, as the CLI asks before running a stage."""
-    from hydra import compose as hydra_compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
     register_configs(config_name)
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
@@ -83,10 +89,6 @@ def check_config(config_name: str, cfg, *, missing_ok: bool = False) -> None:
     Checks that every key is an option of the stage's schema (a `+key=value` typo is not silently
     kept), that required (`???`) options are set unless `missing_ok`, and builds the schema
     dataclasses from the values so that their `__post_init__` range checks run."""
-    from omegaconf import DictConfig, OmegaConf
-
-    from draftsmith import DraftsmithError
-
     if not OmegaConf.is_config(cfg):
         cfg = OmegaConf.structured(cfg)
     cls = schema(config_name)
@@ -106,8 +108,6 @@ def _check_required(obj) -> None:
     """Run `check_required()` of every nested config dataclass: options that must be set before a run
     (a prompt file for prompts=sharegpt, ...) but that a group option cannot mark `???`, since a YAML
     `???` does not override a schema default."""
-    import dataclasses
-
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
@@ -118,10 +118,6 @@ def _check_required(obj) -> None:
 
 def _instantiate(cls, node):
     """cls(**node), nested dataclasses first, so every `__post_init__` runs; `???` values pass as '???'."""
-    import dataclasses
-
-    from omegaconf import DictConfig, ListConfig, OmegaConf
-
     kwargs = {}
     for f in dataclasses.fields(cls):
         if not f.init or f.name not in node:
@@ -140,8 +136,6 @@ def _instantiate(cls, node):
 
 def _options(cls, prefix: str = "") -> list[str]:
     """Every option of a schema dataclass, nested ones dotted."""
-    import dataclasses
-
     names = []
     for f in dataclasses.fields(cls):
         names.append(prefix + f.name)
@@ -153,10 +147,6 @@ def _options(cls, prefix: str = "") -> list[str]:
 
 def _field_dataclass(cls, name: str):
     """The dataclass type of field `name` of `cls`, or None."""
-    import dataclasses
-
-    from omegaconf import OmegaConf
-
     node = OmegaConf.structured(cls)
     child = node._get_node(name)
     t = OmegaConf.get_type(child) if child is not None else None
@@ -165,10 +155,6 @@ def _field_dataclass(cls, name: str):
 
 def unknown_option(config_name: str, key: str):
     """DraftsmithError: `key` is no option of the stage, with the closest option as a suggestion."""
-    import difflib
-
-    from draftsmith import DraftsmithError
-
     options = _options(schema(config_name))
     close = difflib.get_close_matches(key, options, n=1, cutoff=0.6)
     if not close:  # a typo in the last part of a dotted key
@@ -181,10 +167,6 @@ def unknown_option(config_name: str, key: str):
 
 def check_keys(config_name: str, cfg, cls, prefix: str = "") -> None:
     """Every key of the composed config must be a field of its schema dataclass (recursively)."""
-    import dataclasses
-
-    from omegaconf import DictConfig, OmegaConf
-
     fields = {f.name for f in dataclasses.fields(cls)}
     for key in cfg.keys():
         if key not in fields:
@@ -198,12 +180,6 @@ def check_keys(config_name: str, cfg, cls, prefix: str = "") -> None:
 
 def composition_error(config_name: str, e: Exception):
     """One sentence (DraftsmithError) for a Hydra / OmegaConf error raised while composing overrides."""
-    import re
-
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
-
-    from draftsmith import DraftsmithError
-
     chain, x = [], e
     while x is not None and x not in chain:
         chain.append(x)

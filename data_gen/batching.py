@@ -27,6 +27,7 @@ from collections import deque
 
 import torch
 from tqdm.auto import tqdm
+from transformers import DynamicCache
 
 from draftsmith import DraftsmithError
 from draftsmith.sampling import process_logits
@@ -109,8 +110,6 @@ def prefill(model, cache: RowCache, rows: list[int], prompts: list[list[int]], d
 
 
 def prefill_group(model, cache: RowCache, rows: list[int], prompts: list[list[int]], device) -> torch.Tensor:
-    from transformers import DynamicCache
-
     T = max(map(len, prompts))
     input_ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts], device=device)
     attn = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts], device=device)

@@ -31,13 +31,17 @@ the number of ranks.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
 from draftsmith.artifacts import atomic_write_bytes, atomic_write_json
-from draftsmith.progress import progress
 from draftsmith.data_gen.target import torch_dtype
+from draftsmith.progress import progress
 
 INDEX = "index.json"
 RANK_INDEX = "index.rank{:05d}.json"  # a rank's finished shards, while ranks capture together
@@ -51,8 +55,6 @@ def shard_name(s: int) -> str:
 
 def tokens_hash(input_ids: list[list[int]]) -> str:
     """Fingerprint of the sequences, so a resume never mixes shards of different data."""
-    import hashlib
-
     h = hashlib.sha256()
     for x in input_ids:
         h.update(len(x).to_bytes(4, "little"))
@@ -74,8 +76,6 @@ def shard_problem(path: Path, entry: dict, stats: tuple[str, ...] = ()) -> str |
     Checks the size and the safetensors header (which names every `{i}.aux` / `{i}.last` tensor, and
     `{i}.top` / `{i}.lse` when the entry's index lists target_stats); it reads no tensor data.
     """
-    from safetensors import safe_open
-
     if not path.is_file():
         return "is missing"
     size = path.stat().st_size
@@ -166,8 +166,6 @@ def features_batch(target, batch: list[list[int]]) -> list[dict[str, torch.Tenso
 
 
 def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> int:
-    from safetensors.torch import save
-
     data = save(tensors)
     atomic_write_bytes(path, data)
     return len(data)

@@ -12,6 +12,36 @@ from draftsmith.sampling import SamplingConfig
 PROMPT_SOURCES = ("self", "sharegpt", "openai", "question", "hf")
 
 
+# Openers that steer a self-written prompt toward a task kind: the target continues the user turn
+# after one of them (the opener stays part of the prompt). `general` is the bare header (Magpie).
+# The kinds follow what users send (Spec-Bench's categories: coding, extraction, math, reasoning,
+# summarization, translation, roleplay, writing, stem / humanities / qa).
+TASK_OPENERS = {
+    "code": ["Write a Python function that", "How do I", "Fix the bug in this code:\n\n```python\n",
+             "Explain what this code does:\n\n```", "Write a SQL query that", "In JavaScript, how can I"],
+    "extraction": ["Extract all the names and dates from the following text:\n\n",
+                   "List the key facts in this paragraph:\n\n",
+                   "From the text below, pull out every product and its price.\n\n",
+                   "Identify the main entities mentioned in this passage:\n\n"],
+    "math": ["Solve for x:", "What is", "A train travels", "Calculate the", "If a rectangle has",
+             "Prove that", "How many ways"],
+    "reasoning": ["If all", "Which of the following is true:", "Think step by step:", "A riddle:",
+                  "What comes next in the sequence"],
+    "summarisation": ["Summarize the following article in three sentences:\n\n",
+                      "Give me a short summary of this text:\n\n", "TL;DR of the following:\n\n",
+                      "Summarize this email:\n\n"],
+    "translation": ["Translate into French:", "Translate the following sentence into Spanish:",
+                    "How do you say this in German:", "Translate this text into English:\n\n"],
+    "roleplay": ["Pretend you are", "Let's play a game. You are", "Act as", "Imagine you are a",
+                 "You are a pirate captain."],
+    "writing": ["Write a short story about", "Write an email to", "Write a poem about",
+                "Write a blog post about", "Draft a cover letter for"],
+    "knowledge": ["Why does", "What is the difference between", "Explain how", "Who was",
+                  "What causes", "How does"],
+    "general": [""],
+}
+
+
 @dataclass
 class PromptSetConfig:
     """Which prompt set: what data-gen's `prompts` and eval's share (each stage extends it)."""
@@ -41,7 +71,7 @@ class PromptsConfig(PromptSetConfig):
     system: Optional[str] = None
     # self: give up after this many sampled prompts (None = 8 * n)
     max_attempts: Optional[int] = None
-    # self: steer the written prompts across task kinds, round robin (data_gen/prompts.py TASK_OPENERS:
+    # self: steer the written prompts across task kinds, round robin (TASK_OPENERS above:
     # code, extraction, math, reasoning, summarisation, translation, roleplay, writing, knowledge,
     # general); each prompt starts with an opener of its kind and the kind is its category
     kinds: Optional[list[str]] = None  # self: task kinds to steer the prompts across (None = unsteered)
@@ -54,8 +84,6 @@ class PromptsConfig(PromptSetConfig):
         checks.at_least("prompts.max_prompt_tokens", self.max_prompt_tokens, 1)
         checks.at_least("prompts.max_attempts", self.max_attempts, 1, null="8 * n")
         if self.kinds is not None:
-            from draftsmith.data_gen.prompts import TASK_OPENERS
-
             if not self.kinds:
                 raise DraftsmithError("prompts.kinds=[] names no task kind; give some "
                                       f"({', '.join(TASK_OPENERS)}) or null for unsteered prompts.")

@@ -20,7 +20,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import datasets
 import torch
+from safetensors import safe_open
 
 from draftsmith import DraftsmithError
 from draftsmith.artifacts import check_same_target, read_manifest
@@ -32,8 +34,6 @@ def load_tokenized(data_dir: str | Path, target_identity: dict | None = None):
     Refuses (DraftsmithError) a folder without a data_gen manifest, one made for another target
     when `target_identity` (Target.identity()) is given, and an empty set.
     """
-    import datasets
-
     data_dir = Path(data_dir)
     manifest = read_manifest(data_dir)
     stage = manifest.get("produced_by", {}).get("stage")
@@ -51,8 +51,6 @@ def load_tokenized(data_dir: str | Path, target_identity: dict | None = None):
 
 def load_conversations(data_dir: str | Path):
     """The regenerated conversations (datasets.Dataset: id, category, messages)."""
-    import datasets
-
     read_manifest(data_dir)
     return datasets.load_from_disk(str(Path(data_dir) / "conversations"))
 
@@ -81,8 +79,6 @@ class HiddenStates:
         return self.index["num_samples"]
 
     def _handle(self, file: str):
-        from safetensors import safe_open
-
         if file not in self._open:
             self._open[file] = safe_open(str(self.folder / file), framework="pt")
         return self._open[file]

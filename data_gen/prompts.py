@@ -15,15 +15,20 @@ Sources (cfg.source):
 from __future__ import annotations
 
 import json
+import random
 import sys
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
+import datasets
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.data_gen.config import PromptsConfig
+from draftsmith.data_gen.config import TASK_OPENERS, PromptsConfig
+from draftsmith.data_gen.filters import PromptFilter
+from draftsmith.data_gen.regenerate import SamplingParams, generate_tokens
 from draftsmith.data_gen.tokenize import apply_chat_template
+from draftsmith.progress import progress
 from draftsmith.sampling import hash_seed
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -165,8 +170,6 @@ def _read_file(source: str, path: Path) -> Iterator[dict]:
 
 
 def _read_hf(name: str, split: str) -> Iterator[dict]:
-    import datasets
-
     try:
         if Path(name).is_dir():
             ds = datasets.load_from_disk(name)
@@ -212,34 +215,6 @@ def user_header(tokenizer, system: str | None = None) -> str:
     return rendered[: rendered.index(marker)]
 
 
-# Openers that steer a self-written prompt toward a task kind: the target continues the user turn
-# after one of them (the opener stays part of the prompt). `general` is the bare header (Magpie).
-# The kinds follow what users send (Spec-Bench's categories: coding, extraction, math, reasoning,
-# summarization, translation, roleplay, writing, stem / humanities / qa).
-TASK_OPENERS = {
-    "code": ["Write a Python function that", "How do I", "Fix the bug in this code:\n\n```python\n",
-             "Explain what this code does:\n\n```", "Write a SQL query that", "In JavaScript, how can I"],
-    "extraction": ["Extract all the names and dates from the following text:\n\n",
-                   "List the key facts in this paragraph:\n\n",
-                   "From the text below, pull out every product and its price.\n\n",
-                   "Identify the main entities mentioned in this passage:\n\n"],
-    "math": ["Solve for x:", "What is", "A train travels", "Calculate the", "If a rectangle has",
-             "Prove that", "How many ways"],
-    "reasoning": ["If all", "Which of the following is true:", "Think step by step:", "A riddle:",
-                  "What comes next in the sequence"],
-    "summarisation": ["Summarize the following article in three sentences:\n\n",
-                      "Give me a short summary of this text:\n\n", "TL;DR of the following:\n\n",
-                      "Summarize this email:\n\n"],
-    "translation": ["Translate into French:", "Translate the following sentence into Spanish:",
-                    "How do you say this in German:", "Translate this text into English:\n\n"],
-    "roleplay": ["Pretend you are", "Let's play a game. You are", "Act as", "Imagine you are a",
-                 "You are a pirate captain."],
-    "writing": ["Write a short story about", "Write an email to", "Write a poem about",
-                "Write a blog post about", "Draft a cover letter for"],
-    "knowledge": ["Why does", "What is the difference between", "Explain how", "Who was",
-                  "What causes", "How does"],
-    "general": [""],
-}
 
 
 @torch.no_grad()
@@ -250,12 +225,6 @@ def self_prompts(target, cfg: PromptsConfig, filters=None, dropped: Optional[dic
     `filters` (a FiltersConfig with filters.prompts on): a prompt that fails a filter of
     data_gen/filters.py is not kept and another is sampled; `dropped` gets each filter's count.
     """
-    import random
-
-    from draftsmith.data_gen.filters import PromptFilter
-    from draftsmith.data_gen.regenerate import SamplingParams, generate_tokens
-    from draftsmith.progress import progress
-
     n = cfg.n if cfg.n is not None else 64
     max_attempts = cfg.max_attempts or 8 * n
     tok = target.tokenizer

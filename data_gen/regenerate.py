@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from draftsmith import DraftsmithError
 from draftsmith.data_gen.batching import generate_tokens
 from draftsmith.data_gen.config import BackendConfig
+from draftsmith.data_gen.tokenize import apply_chat_template
 from draftsmith.retry import Backoff, Transient, call, retry_after_s, retryable_status
 from draftsmith.sampling import SamplingConfig, hash_seed
 
@@ -50,8 +51,6 @@ class HFBackend:
     def chat(self, conversations: list[list[dict]], seeds: list[int], done=None) -> list[str | None]:
         """The answer to each conversation (None: failed); `done(j)` is called as answer j is ready."""
         tok = self.target.tokenizer
-        from draftsmith.data_gen.tokenize import apply_chat_template
-
         prompts = [apply_chat_template(tok, c, tokenize=False, add_generation_prompt=True) for c in conversations]
         ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         outs = generate_tokens(self.target, ids, self.params, seeds, self.cfg.batch_size,

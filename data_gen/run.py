@@ -56,12 +56,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
+import datasets
+import torch
 from omegaconf import OmegaConf
 
 from draftsmith import DraftsmithError
@@ -70,11 +71,13 @@ from draftsmith.data_gen.capture import WRITTEN as CAPTURE_FILES
 from draftsmith.data_gen.capture import capture_hidden_states, finished_shards, num_shards, write_index
 from draftsmith.data_gen.filters import filter_answers
 from draftsmith.data_gen.prompts import filter_counts_text, load_prompts
-from draftsmith.data_gen.topk import WRITTEN as TOPK_FILES
-from draftsmith.data_gen.topk import capture_topk
 from draftsmith.data_gen.regenerate import SamplingParams, make_backend, regenerate_all
 from draftsmith.data_gen.target import load_target, resolve_target_dtype, torch_dtype
 from draftsmith.data_gen.tokenize import tokenize_samples
+from draftsmith.data_gen.topk import WRITTEN as TOPK_FILES
+from draftsmith.data_gen.topk import capture_topk
+from draftsmith.locks import acquire_lock as claim_run, claim_dir, claim_file, rank_world, release_lock
+from draftsmith.locks import wait_while_progressing
 from draftsmith.progress import progress
 
 COUNT_KEYS = ("prompts", "samples", "tokens", "loss_tokens", "truncated", "dropped", "failed")
@@ -89,12 +92,13 @@ TEMPORARIES = {"": (*SUBFOLDERS, "config.yaml", mf.MANIFEST, mf.OWNER, STATE, KE
                REGEN: ("chunk_*.json", "self_prompts.json"), "hidden_states": CAPTURE_FILES, "topk_logits": TOPK_FILES}
 
 
-def rank_world() -> tuple[int, int]:
-    """(rank, world_size) from the torchrun environment; (0, 1) without it."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if not 0 <= rank < world:
-        raise DraftsmithError(f"RANK={rank} is outside WORLD_SIZE={world}.")
-    return rank, world
+def acquire_lock(out: Path, rank: int = 0) -> Path:
+    """Create `out/.data_gen.lock` (pid, host) atomically; refuse while a live run holds it.
+
+    A lock left by a run that died on this host (its pid is gone) is stale and taken over. Under
+    torchrun each rank has its own lock file, so ranks of one job do not exclude each other.
+    """
+    return claim_run(out / (LOCK if rank == 0 else f".data_gen.rank{rank:05d}.lock"), "data-gen")
 
 
 def check_out_folder(out: Path, identity: dict) -> None:
@@ -105,8 +109,6 @@ def check_out_folder(out: Path, identity: dict) -> None:
 
 
 def _features():
-    import datasets
-
     seq = getattr(datasets, "List", datasets.Sequence)
     return {
         "conversations": datasets.Features({
@@ -120,8 +122,6 @@ def _features():
 
 def save_dataset_atomic(rows: list[dict], features, folder: Path) -> None:
     """save_to_disk under a temporary name, then swap it in: a crash never leaves a half folder."""
-    import datasets
-
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
@@ -148,73 +148,6 @@ def check_settings(cfg) -> None:
             raise DraftsmithError(f"{key}={value!r} must be a whole number of at least 1.")
     if cfg.hidden_states:
         torch_dtype(cfg.hidden_states_dtype)
-
-
-# --- one run at a time per output folder -------------------------------------------------------
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
-def claim_file(path: Path) -> Path | None:
-    """Create `path` (pid, host) atomically; None when another live process holds it. A file left by a
-    dead process of this host is taken over (one on another host cannot be checked: it is respected)."""
-    me = {"pid": os.getpid(), "host": socket.gethostname()}
-    for _ in range(3):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                holder = json.loads(path.read_text())
-                pid, host = int(holder["pid"]), str(holder["host"])
-            except FileNotFoundError:
-                continue
-            except (ValueError, KeyError, TypeError):  # being written, or its writer died before writing it
-                if time.time() - path.stat().st_mtime < 10:
-                    return None
-                pid, host = -1, me["host"]
-            if host == me["host"] and (pid <= 0 or not _pid_alive(pid)):
-                path.unlink(missing_ok=True)
-                continue
-            return None
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-        return path
-    return None
-
-
-def acquire_lock(out: Path, rank: int = 0) -> Path:
-    """Create `out/.data_gen.lock` (pid, host) atomically; refuse while a live run holds it.
-
-    A lock left by a run that died on this host (its pid is gone) is stale and taken over. Under
-    torchrun each rank has its own lock file, so ranks of one job do not exclude each other.
-    """
-    path = out / (LOCK if rank == 0 else f".data_gen.rank{rank:05d}.lock")
-    out.mkdir(parents=True, exist_ok=True)
-    if claim_file(path) is not None:
-        return path
-    try:
-        holder = json.loads(path.read_text())
-        who = f"pid {holder['pid']} on {holder['host']}"
-    except (OSError, ValueError, KeyError, TypeError):
-        who = "one that is just starting"
-    raise DraftsmithError(f"another data-gen ({who}) is writing to {out}; wait for it to finish, or delete {path} "
-                          f"if it is no longer running.")
-
-
-def release_lock(path: Path) -> None:
-    """Remove the lock if it is still ours."""
-    try:
-        if json.loads(path.read_text()).get("pid") == os.getpid():
-            path.unlink()
-    except (OSError, ValueError):
-        pass
 
 
 # --- regeneration, saved chunk by chunk -------------------------------------------------------
@@ -421,8 +354,6 @@ def _count(rows: list[dict], counts: dict, prompts: int) -> dict:
 def write_sets(folder: Path, conversations: list[dict], rows: list[dict], counts: dict, keep_order: bool) -> None:
     feats = _features()
     if keep_order:
-        import datasets
-
         for f in feats.values():
             f["order"] = datasets.Value("int64")
     else:
@@ -437,8 +368,6 @@ def write_sets(folder: Path, conversations: list[dict], rows: list[dict], counts
 
 def merge_parts(out: Path, world: int) -> dict:
     """Assemble every rank's part into `out` in the original prompt order; returns the counts."""
-    import datasets
-
     convs, rows, counts = [], [], {k: 0 for k in COUNT_KEYS}
     for r in range(world):
         part = out / "parts" / f"rank{r:05d}"
@@ -456,8 +385,6 @@ def merge_parts(out: Path, world: int) -> dict:
 
 
 def mf_read_json(path: Path) -> dict:
-    import json
-
     return json.loads(path.read_text())
 
 
@@ -473,14 +400,7 @@ def _part_done(out: Path, rank: int, key: str) -> bool:
 
 def _claim_merge(out: Path, world: int, key: str) -> bool:
     """True for the one rank that should merge: every part is done and it created the lock."""
-    parts = out / "parts"
-    if not all(_part_done(out, r, key) for r in range(world)):
-        return False
-    try:
-        os.mkdir(parts / ".merge.lock")
-    except FileExistsError:
-        return False
-    return True
+    return all(_part_done(out, r, key) for r in range(world)) and claim_dir(out / "parts" / ".merge.lock")
 
 
 def run(cfg) -> dict:
@@ -552,8 +472,6 @@ def use_rank_device(cfg) -> None:
     launcher that gives each rank its own CUDA_VISIBLE_DEVICES leaves LOCAL_RANK unset, hence cuda:0)."""
     if cfg.target.device != "cuda":
         return
-    import torch
-
     count = max(torch.cuda.device_count(), 1)
     cfg.target.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % count}"
 
@@ -684,25 +602,25 @@ def wait_for_merged_set(out: Path, key: str, rank: int, world: int, poll_s: floa
     changed (regeneration chunks, parts, the merge), naming the ranks whose part is missing.
     """
     limit = float(os.environ.get("DRAFTSMITH_RANK_WAIT_S", 3600))
-    signs, since, noted = _progress_signs(out, world), time.monotonic(), time.monotonic()
-    while not _set_ready(out, key):
-        now = time.monotonic()
-        waiting = [r for r in range(world) if not _part_done(out, r, key)]
-        if now - noted >= 300:
-            print(f"data-gen rank {rank}: waiting for the merged tokenized set"
-                  f"{f' (ranks {waiting} are still on their parts)' if waiting else ' (a rank is merging)'}.",
-                  file=sys.stderr, flush=True)
-            noted = now
-        new = _progress_signs(out, world)
-        if new != signs:
-            signs, since = new, now
-        elif now - since > limit:
-            why = (f"ranks {waiting} never finished their parts in {out / 'parts'}: see their logs" if waiting else
-                   f"every part is done but no rank merged them; if no data-gen runs there, a killed merge left "
-                   f"{out / 'parts' / '.merge.lock'}: delete it and rerun")
-            raise DraftsmithError(f"data-gen rank {rank}: no progress from the other ranks for {limit:g} s "
-                                  f"(DRAFTSMITH_RANK_WAIT_S) while waiting for the merged tokenized set; {why}.")
-        time.sleep(poll_s)
+
+    def waiting() -> list[int]:
+        return [r for r in range(world) if not _part_done(out, r, key)]
+
+    def note() -> str:
+        late = waiting()
+        return (f"data-gen rank {rank}: waiting for the merged tokenized set"
+                f"{f' (ranks {late} are still on their parts)' if late else ' (a rank is merging)'}.")
+
+    def give_up(limit_s: float) -> str:
+        late = waiting()
+        why = (f"ranks {late} never finished their parts in {out / 'parts'}: see their logs" if late else
+               f"every part is done but no rank merged them; if no data-gen runs there, a killed merge left "
+               f"{out / 'parts' / '.merge.lock'}: delete it and rerun")
+        return (f"data-gen rank {rank}: no progress from the other ranks for {limit_s:g} s "
+                f"(DRAFTSMITH_RANK_WAIT_S) while waiting for the merged tokenized set; {why}.")
+
+    wait_while_progressing(lambda: _set_ready(out, key), lambda: _progress_signs(out, world), limit, poll_s, note,
+                           give_up)
 
 
 def capture(cfg, target, out: Path, rank: int = 0, world: int = 1) -> dict | None:
@@ -715,8 +633,6 @@ def capture(cfg, target, out: Path, rank: int = 0, world: int = 1) -> dict | Non
     if not cfg.hidden_states:
         mf.remove_written(out / "hidden_states", (*CAPTURE_FILES, FINALIZE))  # an earlier run's; not a user's file
         return None
-    import datasets
-
     ids = datasets.load_from_disk(str(out / "tokenized"))["input_ids"]
     folder = out / "hidden_states"
     index = capture_hidden_states(target, ids, folder, cfg.hidden_states_dtype,

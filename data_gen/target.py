@@ -15,14 +15,23 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from gguf import GGUFReader
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig,
+                          LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast)
 
-from draftsmith import DraftsmithError, machine
+from draftsmith import DraftsmithError, checks, machine
+from draftsmith.artifacts import default_mode
+from draftsmith.data_gen.tokenize import apply_chat_template
+from draftsmith.heads.folders import check_weights_file
+from draftsmith.heads.kit import default_aux_layer_ids
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -59,8 +68,6 @@ class TargetConfig:
     aux_layer_ids: Optional[list[int]] = None
 
     def __post_init__(self):
-        from draftsmith import checks
-
         if not self.name:
             raise DraftsmithError("target.name is empty: name a preset (smollm2, tiny), an HF folder or hub id, "
                                   "or a .gguf file.")
@@ -98,11 +105,6 @@ def resolve_target_dtype(cfg: TargetConfig) -> str:
 def model_dtype(cfg: TargetConfig) -> torch.dtype:
     """The dtype the target's weights are loaded in (auto decided by draftsmith.machine)."""
     return machine.resolve_dtype(cfg.dtype, cfg.device)[0]
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3 reads the residual stream entering layers 2, N//2 and N-3 (HF hidden_states indices)."""
-    return [2, num_layers // 2, num_layers - 3]
 
 
 def cache_root() -> Path:
@@ -265,8 +267,6 @@ def load_target(cfg: TargetConfig, lazy: bool = False) -> Target:
 
 def _generation_config(name: str | os.PathLike, revision: Optional[str] = None):
     """The generation config from_pretrained gives a model: generation_config.json, else config.json."""
-    from transformers import GenerationConfig
-
     try:
         return GenerationConfig.from_pretrained(name, revision=revision)
     except OSError:
@@ -331,8 +331,6 @@ def template_source(cfg: TargetConfig, name: str) -> str:
 
 
 def _with_chat_template(tokenizer, cfg: TargetConfig, name: str):
-    from draftsmith.data_gen.tokenize import apply_chat_template
-
     if cfg.chat_template:
         template = cfg.chat_template
         if os.path.isfile(template):
@@ -355,8 +353,6 @@ def _load_hf(name: str, cfg: TargetConfig):
             f"unknown target {name!r}: not a preset ({', '.join(PRESETS)}), not a .gguf file, not an HF folder."
         )
     if is_dir:
-        from draftsmith.heads.checkpoint import check_weights_file
-
         for f in sorted(Path(name).glob("*.safetensors")):
             check_weights_file(f, links_ok=True)  # a Hub cache snapshot is all links
     code = remote_code_refused(name, "target", TARGET_CODE_FIX)
@@ -386,8 +382,6 @@ def _load_hf(name: str, cfg: TargetConfig):
 
 
 def _gguf_architecture(path: Path) -> str:
-    from gguf import GGUFReader
-
     reader = GGUFReader(str(path))
     field = reader.fields.get("general.architecture")
     if field is None:
@@ -412,9 +406,6 @@ def _load_gguf(path: Path, cfg: TargetConfig):
 
 
 def _cache_gguf_as_safetensors(path: Path, cached: Path) -> None:
-    import shutil
-    import tempfile
-
     gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     # save_pretrained refuses a config that still carries the gguf quantization_config:
@@ -435,8 +426,6 @@ def _cache_gguf_as_safetensors(path: Path, cached: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        from draftsmith.artifacts import default_mode
-
         os.chmod(tmp, default_mode(folder=True))  # mkdtemp makes 0700; a shared cache must be readable
         os.replace(tmp, cached)  # another process may have won the race: fine, same content
     except OSError:
@@ -465,9 +454,6 @@ def _load_smollm2(cfg: TargetConfig):
 
 def tiny_tokenizer():
     """A byte-level tokenizer (256 bytes + ChatML specials) with a ChatML template; no files needed."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     byte_chars = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(byte_chars))}
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -483,8 +469,6 @@ def tiny_tokenizer():
 
 
 def tiny_model_config(vocab_size: int, num_layers: int = 8, hidden_size: int = 64):
-    from transformers import LlamaConfig
-
     return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -492,8 +476,6 @@ def tiny_model_config(vocab_size: int, num_layers: int = 8, hidden_size: int = 6
 
 
 def _load_tiny(cfg: TargetConfig, seed: int = 0):
-    from transformers import GenerationConfig
-
     tokenizer = tiny_tokenizer()
     config = tiny_model_config(len(tokenizer))
     config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -504,8 +486,6 @@ def _load_tiny(cfg: TargetConfig, seed: int = 0):
     h = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode() + f"seed{seed}".encode())
 
     def build():
-        from transformers import LlamaForCausalLM
-
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             model = LlamaForCausalLM(config)
@@ -517,3 +497,5 @@ def _load_tiny(cfg: TargetConfig, seed: int = 0):
 
 
 PRESETS = {"smollm2": _load_smollm2, "tiny": _load_tiny}
+# The presets that are Hub models: their Hub ids and licenses (publish's card, the serving commands)
+KNOWN_TARGETS = {"smollm2": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0")}

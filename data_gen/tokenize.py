@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import re
 
+import jinja2
+import jinja2.exceptions as jx
+
+from draftsmith import DraftsmithError
+
 THINK = re.compile(r"<think>.*?</think>\s*", flags=re.DOTALL)
 
 
@@ -20,19 +25,13 @@ def apply_chat_template(tokenizer, messages: list[dict], **kwargs):
     """`tokenizer.apply_chat_template` (transformers renders it in Jinja's sandbox): the one place draftsmith renders
     a chat template, so that a template that raises, does not parse, passes the sandbox's limits or tries to leave
     it is one sentence naming the template's file (`draftsmith_template_source`, set when the target loads)."""
-    import jinja2
-
     try:
         return tokenizer.apply_chat_template(messages, **kwargs)
     except (jinja2.TemplateError, OverflowError, RecursionError) as e:
-        from draftsmith import DraftsmithError
-
         raise DraftsmithError(template_error(tokenizer, e)) from None
 
 
 def template_error(tokenizer, e: Exception) -> str:
-    import jinja2.exceptions as jx
-
     source = getattr(tokenizer, "draftsmith_template_source", None) or "the tokenizer's chat_template"
     text = " ".join(str(e).split()) or type(e).__name__
     if isinstance(e, jx.TemplateSyntaxError):
@@ -99,8 +98,6 @@ def tokenize_conversation(tokenizer, messages: list[dict], end_ids: set[int]) ->
 def tokenize_samples(samples: list[dict], tokenizer, end_ids, max_length: int, on_overflow: str = "truncate",
                      reasoning: str = "keep") -> tuple[list[dict], dict]:
     """Tokenize conversations into rows {id, input_ids, loss_mask}; returns (rows, counts)."""
-    from draftsmith import DraftsmithError
-
     if on_overflow not in ("truncate", "drop"):
         raise DraftsmithError(f"on_overflow={on_overflow!r} is not one of truncate, drop.")
     if reasoning not in ("keep", "strip"):

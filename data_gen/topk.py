@@ -21,11 +21,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import datasets
 import torch
+from safetensors import safe_open
+from safetensors.torch import save
 
 from draftsmith import DraftsmithError
-from draftsmith.data_gen.capture import shard_name, tokens_hash
 from draftsmith.artifacts import atomic_write_bytes, atomic_write_json, remove_written
+from draftsmith.data_gen.capture import shard_name, tokens_hash
 from draftsmith.progress import progress
 
 FOLDER = "topk_logits"
@@ -73,8 +76,6 @@ def _finished(folder: Path, header: dict) -> dict[int, dict]:
 def capture_topk_logits(target, input_ids: list[list[int]], folder: str | Path, k: int = 64,
                         temperature: float = 1.0, samples_per_shard: int = 256, batch_size: int = 8) -> dict:
     """Write the top-k cache of every sequence into resumable shards; returns the index."""
-    from safetensors.torch import save
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     k = min(k, target.vocab_size)
@@ -113,8 +114,6 @@ def capture_topk(cfg, target, out: Path) -> dict | None:
     if not cfg.topk_logits:
         remove_written(out / FOLDER, WRITTEN)  # an earlier run's cache; a user's file there stays
         return None
-    import datasets
-
     ids = datasets.load_from_disk(str(out / "tokenized"))["input_ids"]
     index = capture_topk_logits(target, ids, out / FOLDER, cfg.topk_k, cfg.topk_temperature,
                                 cfg.samples_per_shard, cfg.capture_batch_size)
@@ -126,8 +125,6 @@ class TopkLogits:
     """A data folder's top-k cache: `cache[i] -> (ids (T_i, k) int32, logp (T_i, k), tail (T_i,))`."""
 
     def __init__(self, data_dir: str | Path):
-        from safetensors import safe_open
-
         self.folder = Path(data_dir) / FOLDER
         try:
             self.index = json.loads((self.folder / INDEX).read_text())

@@ -9,7 +9,7 @@ from draftsmith import DraftsmithError, checks
 from draftsmith.data_gen.config import PromptSetConfig
 from draftsmith.data_gen.target import TargetConfig, stage_target
 from draftsmith.eval.decoder import DraftingConfig
-from draftsmith.eval.proposers import NGRAM_MATCHES
+from draftsmith.eval.proposers.ngram import NGRAM_MATCHES
 from draftsmith.sampling import SamplingConfig
 
 BASELINES = ("ngram", "hf_generate", "hf_assisted")
@@ -58,11 +58,11 @@ class EvalConfig:
     top_p: float = SamplingConfig.top_p  # nucleus sampling, in (0, 1]
     drafting: DraftingConfig = field(default_factory=DraftingConfig)
     # n-gram proposer (the `ngram` head and baseline): longest suffix match up to this length.
-    ngram_max: int = 3  # n-gram proposer: longest suffix matched (eval/proposers.py NgramProposer)
+    ngram_max: int = 3  # n-gram proposer: longest suffix matched (eval/proposers/ngram.py NgramProposer)
     ngram_min: int = 1  # n-gram proposer: shortest suffix matched
     ngram_match: str = "latest"  # n-gram proposer: copy after the latest earlier match | earliest (vLLM's ngram)
     # n-gram + head: with a head folder, draft from a context match (ngram_max..ngram_min) when one exists and
-    # from the head otherwise (eval/proposers.py NgramFirstProposer); the report's method is `ngram+<method>`.
+    # from the head otherwise (eval/proposers/ngram.py NgramFirstProposer); the report's method is `ngram+<method>`.
     ngram_first: bool = False  # with a head folder: draft by n-gram match when the context has one, else by the head
     max_new_tokens: int = 128  # per decoded turn
     # Timing: every prompt is decoded `repeats` times by each method; its time is the median.

@@ -13,7 +13,7 @@ Trees and n-gram drafts are deterministic, so their q is one-hot at the drafted 
 accept with prob p(x), residual = p with x removed, renormalised; still exactly p.
 τ (acceptance length) = tokens emitted per target verification, bonus included.
 
-A proposer (eval/proposers.py) is anything with the `Proposer` methods; `proposer=None` is
+A proposer (eval/proposers/) is anything with the `Proposer` methods; `proposer=None` is
 target-only decoding. The target runner's committed length moves only through `runner.commit`.
 """
 
@@ -73,7 +73,7 @@ class Draft:
 
 
 class Proposer(Protocol):
-    """What drafts tokens for the decoder (eval/proposers.py); the loop never asks which kind it is."""
+    """What drafts tokens for the decoder (eval/proposers/); the loop never asks which kind it is."""
 
     needs_aux: bool  # update() reads the target's EAGLE-3 features of the verified positions
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
+from datasets import load_from_disk
+
 from draftsmith import DraftsmithError
 from draftsmith.data_gen.prompts import from_openai, from_sharegpt, read_conversations, skipped_text, with_user_turn
 from draftsmith.data_gen.tokenize import apply_chat_template
@@ -71,8 +73,6 @@ def read_holdout(folder: str | Path, holdout: int) -> list[EvalPrompt]:
     Those are the rows `draftsmith train val_samples=<holdout>` never trains on. The rows are
     matched to conversations by id; without a tokenized/ folder, the last conversations are used.
     """
-    from datasets import load_from_disk
-
     folder = Path(folder)
     conv_dir = folder / "conversations"
     if not conv_dir.is_dir():

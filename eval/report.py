@@ -8,14 +8,14 @@ import platform
 import sys
 from pathlib import Path
 
+import torch
+import transformers
+
 from draftsmith import __version__
 from draftsmith.artifacts import atomic_write_bytes, atomic_write_json
 
 
 def software_versions() -> dict:
-    import torch
-    import transformers
-
     return {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "draftsmith": __version__}
 
@@ -32,8 +32,6 @@ def cpu_model() -> str:
 
 
 def hardware(device: str) -> dict:
-    import torch
-
     info = {"cpu": cpu_model(), "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "device": str(device), "platform": sys.platform}
     if str(device).startswith("cuda") and torch.cuda.is_available():

@@ -16,25 +16,30 @@ are eval's own. The CLI prints `summary(report)`.
 
 from __future__ import annotations
 
-import time
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 from omegaconf import OmegaConf
+from transformers import PreTrainedModel
 
 from draftsmith import DraftsmithError, machine
 from draftsmith import artifacts as mf
-from draftsmith.data_gen.target import Target, load_target, resolve_target_dtype
-from draftsmith.eval import metrics
-from draftsmith.eval.config import build_settings
+from draftsmith.data_gen.target import KNOWN_TARGETS, Target, load_target, resolve_target_dtype
+from draftsmith.eval import cost, metrics
+from draftsmith.eval.config import EvalConfig, build_settings
 from draftsmith.eval.decoder import DraftingConfig, GenerationResult, Proposer, speculative_generate
 from draftsmith.eval.engine_vllm import engine_report
 from draftsmith.eval.prompts import EvalPrompt, load_prompts, render
+from draftsmith.eval.proposers.ngram import NgramFirstProposer, NgramProposer
 from draftsmith.eval.report import hardware, software_versions, summary_lines, write_report
 from draftsmith.eval.target_runner import TargetRunner
+from draftsmith.heads.folders import weights_sha256
+from draftsmith.methods import method_for_folder, read_folder_config
+from draftsmith.progress import progress
 from draftsmith.sampling import SamplingConfig
 
 TARGET_ONLY = "target_only"
@@ -80,9 +85,6 @@ def check_head_target(folder: Path, config: dict, target: Target) -> None:
 
 def load_drafter(cfg, target: Target, max_len: int) -> Drafter:
     """Resolve `head=`: none | ngram | a folder, loaded by the method its config.json names (draftsmith.methods)."""
-    from draftsmith.heads.checkpoint import weights_sha256
-    from draftsmith.methods import method_for_folder, read_folder_config
-
     head = str(cfg.head)
     if head == "none":
         return Drafter("none", None, {"kind": "none"})
@@ -108,15 +110,11 @@ def load_drafter(cfg, target: Target, max_len: int) -> Drafter:
 
 
 def ngram_proposer(cfg) -> Proposer:
-    from draftsmith.eval.proposers import NgramProposer
-
     return NgramProposer(cfg.ngram_max, cfg.ngram_min, getattr(cfg, "ngram_match", "latest"))
 
 
 def with_ngram_first(cfg, drafter: Drafter) -> Drafter:
     """ngram_first=true: the head drafts only when the context has no n-gram match (method `ngram+<method>`)."""
-    from draftsmith.eval.proposers import NgramFirstProposer
-
     if not getattr(cfg, "ngram_first", False):
         return drafter
     info = drafter.info | {"ngram_first": True, "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max}
@@ -240,14 +238,13 @@ def prepare(cfg) -> Setup:
     dtype_why = resolve_target_dtype(cfg.target)  # target.dtype=auto -> this machine's choice (saved in config.yaml)
     target = load_target(cfg.target)
     max_len = runner_max_len(cfg, target.tokenizer, prompts, drafting)
-    runner = TargetRunner(target.model, max_len, target.aux_layer_ids, cuda_graph=getattr(cfg, "cuda_graph", False))
+    runner = TargetRunner(target.model, max_len, target.aux_layer_ids,
+                          cuda_graph=getattr(cfg, "cuda_graph", EvalConfig.cuda_graph))
     return Setup(cfg, sampling, drafting, out, prompts, target, runner, dtype_why=dtype_why)
 
 
 def method_proposers(cfg, drafter: Drafter) -> dict[str, Optional[Proposer]]:
     """method -> its proposer, built once (the decoder resets it for every prompt); target-only is None."""
-    from transformers import PreTrainedModel
-
     if "hf_assisted" in cfg.baselines and not isinstance(drafter.model, PreTrainedModel):
         raise DraftsmithError("baselines=[hf_assisted] needs a head that transformers can assist with (an HF "
                               "causal-LM folder).")
@@ -285,8 +282,6 @@ def warm_up(setup: Setup, proposers: dict[str, Optional[Proposer]]) -> None:
 def decode_all(setup: Setup, proposers: dict[str, Optional[Proposer]], drafter: Drafter
                ) -> tuple[dict[str, list[metrics.Sample]], dict[str, list[metrics.Sample]]]:
     """Every prompt by every method, `repeats` times; (method -> samples, hf baseline -> samples)."""
-    from draftsmith.progress import progress
-
     cfg, model, tok, eos = setup.cfg, setup.target.model, setup.target.tokenizer, setup.target.eos_token_ids
     samples: dict[str, list[metrics.Sample]] = {m: [] for m in proposers}
     hf_samples: dict[str, list[metrics.Sample]] = {b: [] for b in cfg.baselines if b.startswith("hf_")}
@@ -335,8 +330,6 @@ def divergence(runner: TargetRunner, reference: GenerationResult, other: Generat
 
 def cost_report(setup: Setup, drafter: Drafter, samples: dict[str, list[metrics.Sample]], report: dict) -> dict:
     """The report's cost model, K sweep, recommendation and near-tie figures (eval/cost.py)."""
-    from draftsmith.eval import cost
-
     cfg, d = setup.cfg, setup.drafting
     out: dict = {"near_tie_eps": cfg.near_tie_eps}
     main = drafter.method if drafter.make is not None else TARGET_ONLY
@@ -389,9 +382,7 @@ def cost_report(setup: Setup, drafter: Drafter, samples: dict[str, list[metrics.
 
 
 def _hub_id(target_id: str) -> str:
-    """The target's Hub id for serving commands (publish's table of known targets), else its own id."""
-    from draftsmith.heads.publish import KNOWN_TARGETS
-
+    """The target's Hub id for serving commands (the target presets' Hub ids), else its own id."""
     return KNOWN_TARGETS.get(target_id, (target_id,))[0]
 
 

@@ -5,9 +5,8 @@
                                 the same structure (what the trainer's final save and checkpoints need)
     draft_from_target(...)      the target's embeddings, final norm, lm_head and a subset of its layers
     draft_from_model(...)       a given small HF model, refused unless it shares the target's tokenizer
-    save_draft(drafter, folder) model.safetensors + config.json + generation_config.json + tokenizer
-                                (+ manifest.json): LoRA merged, so AutoModelForCausalLM, transformers'
-                                assistant_model, vLLM's and SGLang's draft-model speculation load it
+
+Its folder (save, load, export, the card) is heads/draft_folders.py.
 
 Embeddings and lm_head are untied in the drafter (a tied pair shares memory, which safetensors
 refuses to write twice, and the draft may train its lm_head while keeping the target's embeddings).
@@ -22,8 +21,11 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith import DraftsmithError
+from draftsmith.data_gen.target import remote_code_refused
+from draftsmith.heads.folders import WEIGHTS, check_weights_file
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -45,8 +47,6 @@ class DraftLM(nn.Module):
 
     def __init__(self, config: DraftLMConfig):
         super().__init__()
-        from transformers import AutoModelForCausalLM
-
         self.config = config
         self.lm = AutoModelForCausalLM.from_config(config.model_config, dtype=torch.float32)
         if config.lora is not None:
@@ -172,37 +172,13 @@ DRAFT_CODE_FIX = ("draftsmith never runs a draft model's own code: use a draft m
 
 def check_draft_weights(folder: Path, *, links_ok: bool = False) -> list[Path]:
     """A draft-model folder's safetensors files (one, or the shards of one model), each checked by
-    heads.checkpoint.check_weights_file (which also refuses a folder holding only pickled weights)."""
-    from draftsmith.heads.checkpoint import WEIGHTS, check_weights_file
-
+    heads.folders.check_weights_file (which also refuses a folder holding only pickled weights)."""
     files = sorted(folder.glob("*.safetensors")) or [folder / WEIGHTS]
     return [check_weights_file(f, links_ok=links_ok) for f in files]
 
 
-def load_draft_folder(folder: str | Path, *, dtype: Optional[torch.dtype] = None, links_ok: bool = False):
-    """An HF causal-LM folder as transformers loads it, but from checked safetensors only (never pickle) and
-    running none of the folder's code: what eval, export and publish load a draft-model head with. Its tokenizer
-    (what export copies) is read first, before the weights, and kept as `draftsmith_tokenizer`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from draftsmith.data_gen.target import remote_code_refused
-
-    folder = Path(folder)
-    check_draft_weights(folder, links_ok=links_ok)
-    with remote_code_refused(folder, "draft model", DRAFT_CODE_FIX):
-        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False) \
-            if (folder / "tokenizer_config.json").is_file() else None
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True, trust_remote_code=False)
-    model.draftsmith_tokenizer = tokenizer
-    return model
-
-
 def draft_from_model(name: str, target, lora: Optional[dict], train_embeddings: bool) -> DraftLM:
     """A draft initialised from the HF causal LM `name` (folder or hub id), which must share the target's tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from draftsmith.data_gen.target import remote_code_refused
-
     if Path(name).is_dir():
         check_draft_weights(Path(name), links_ok=True)  # a folder of the user's own (a Hub cache snapshot is links)
     try:
@@ -227,75 +203,3 @@ def _built(config, state: dict, target, lora, train_embeddings: bool, source: st
     if lora is not None:
         drafter.add_lora(lora)
     return drafter
-
-
-# ---- the folder ------------------------------------------------------------------------------------
-
-def save_draft(drafter, folder, manifest_target: Optional[dict] = None, stage: str = "train",
-               dtype: Optional[torch.dtype] = None) -> Path:
-    """Write a plain HF model folder (LoRA merged) atomically: model.safetensors, config.json,
-    generation_config.json, the tokenizer and, with a target identity, manifest.json."""
-    from draftsmith.artifacts import atomic_folder, write_manifest
-
-    folder = Path(folder)
-    model = drafter.merged() if isinstance(drafter, DraftLM) else drafter
-    if dtype is not None:
-        model = model.to(dtype)
-    tokenizer = drafter.config.tokenizer if isinstance(drafter, DraftLM) else _folder_tokenizer(drafter)
-    with atomic_folder(folder, owner="export" if stage == "export" else None) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if manifest_target is not None:
-            counts = {"parameters": sum(p.numel() for p in model.parameters()),
-                      "num_layers": model.config.num_hidden_layers}
-            source = drafter.config.source if isinstance(drafter, DraftLM) else None
-            write_manifest(tmp, stage, manifest_target, counts, format="hf", init=source)
-    return folder
-
-
-def _folder_tokenizer(model):
-    """The tokenizer saved beside a loaded HF model (what export copies), or None."""
-    if getattr(model, "draftsmith_tokenizer", None) is not None:
-        return model.draftsmith_tokenizer  # read by load_draft_folder
-    folder = Path(getattr(model, "name_or_path", "") or "")
-    if not (folder / "tokenizer_config.json").is_file():
-        return None
-    from transformers import AutoTokenizer
-
-    from draftsmith.data_gen.target import remote_code_refused
-
-    with remote_code_refused(folder, "draft model", DRAFT_CODE_FIX):
-        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
-
-
-# ---- publish: the model card's parts -------------------------------------------------------------------
-
-def draft_card(base_model: str, repo_id: str, report: Optional[dict], k: int, formats: list[str],
-               train: dict) -> dict:
-    """A draft model's parts of the card (the method table's `card`): what it is, tags, serving commands, files."""
-    from draftsmith.heads.publish import card_commands
-
-    options = train.get("method") if isinstance(train.get("method"), dict) else {}
-    init = options.get("init", "from_target")
-    start = {"from_target": f"{options.get('num_layers', 'some')} of the target's layers with its embeddings, final "
-                            "norm and lm_head",
-             "from_model": f"the causal LM {options.get('model')!r}",
-             "scratch": "a randomly initialised decoder of the target's family"}.get(init, init)
-    lora_options = options.get("lora") if isinstance(options.get("lora"), dict) else {}
-    lora_on = lora_options.get("enabled")
-    lora = lora_options.get("r", 16) if (lora_on if lora_on is not None else init == "from_model") else None
-    return {
-        "title": "A draft model",
-        "method": (f"A small causal LM that shares the target's tokenizer, started from {start} and distilled on the "
-                   f"target's own answers (loss {options.get('loss', 'fkl')} between the draft's and the target's "
-                   f"next-token distributions, temperature {options.get('temperature', 1.0)}"
-                   + (f", LoRA rank {lora} merged into the weights" if lora else "") + "). It drafts K tokens "
-                   "autoregressively with its own KV cache; the target verifies them."),
-        "tags": ["draft-model", "speculative-decoding", "draftsmith", "vllm", "sglang"],
-        "commands": card_commands("draft", base_model, repo_id, k, report),
-        "no_sglang": "",
-        "files": {"hf": "a plain Hugging Face causal-LM folder (safetensors, config, tokenizer): vLLM's draft_model "
-                        "method, SGLang's STANDALONE algorithm"},
-        "draft_vocab_size": None,
-    }

@@ -1,6 +1,6 @@
 """The P-EAGLE drafter: an EAGLE-3-style head with several decoder layers that drafts K tokens in ONE forward.
 
-Read top to bottom: config -> the plain layer stacked after the EAGLE-3 layer -> head -> slot layout.
+Read top to bottom: config -> head -> slot layout (the layers are the shared kit's, heads/kit.py).
 
 A drafting forward holds "slots". Slot (anchor t, depth 0) is an ordinary EAGLE-3 step 0: token x_{t+1},
 features fc(f_t), position t. Slot (t, d >= 1) stands for a token not known yet: the mask token id and
@@ -8,7 +8,7 @@ the learnable `mask_hidden` (3H_t wide, through the same fc) in place of target 
 t + d. Every slot's logits draft the token after its position: slot (t, d) drafts x_{t+2+d}.
 
     fused  = fc(f_t) at depth 0, fc(mask_hidden) at depth >= 1            # (B, N, H)
-    h      = layers[0](embed(token), fused)                                # the EAGLE-3 layer (2H input)
+    h      = layers[0](embed(token), fused)                                # the fused-input layer (2H input)
     h      = layers[i](h) for i >= 1                                       # plain Llama layers (H input)
     logits = lm_head(norm(h))  over the draft vocab
 
@@ -28,56 +28,31 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from draftsmith.heads.eagle3 import Eagle3Attention, Eagle3DecoderLayer, Eagle3Head, eagle3_config_from_target
+from draftsmith.heads.kit import DraftVocabHead, FusedInputLayer, PlainLayer, draft_config_from_target
 
 
 def peagle_config_from_target(target_config, draft_vocab_size: int, num_layers: int, mask_token_id: int,
                               train_embeddings: bool = True) -> LlamaConfig:
-    """The head's config: EAGLE-3's (target-matching sizes) with `num_layers` layers and the mask token id."""
-    config = eagle3_config_from_target(target_config, draft_vocab_size)
+    """The head's config: the kit's (target-matching sizes) with `num_layers` layers and the mask token id."""
+    config = draft_config_from_target(target_config, draft_vocab_size)
     config.num_hidden_layers = int(num_layers)
     config.mask_token_id = int(mask_token_id)
     config.train_embeddings = bool(train_embeddings)
     return config
 
 
-class PEagleLayer(nn.Module):
-    """Layers 1.. of the stack: a plain pre-norm Llama decoder layer over the H-wide hidden."""
-
-    def __init__(self, config: LlamaConfig):
-        super().__init__()
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = Eagle3Attention(config, in_dim=config.hidden_size)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
-
-    def forward(self, hidden, cos, sin, attn_mask, kv_cache, cache_positions):
-        h = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attn_mask, kv_cache, cache_positions)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class PEagleHead(nn.Module):
+class PEagleHead(DraftVocabHead):
     """P-EAGLE drafter. `d2t[i]`: target id = i + d2t[i]; `t2d[t]`: target id t is in the draft vocab."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.config = config
-        H, Vd = config.hidden_size, config.draft_vocab_size
-        target_hidden = getattr(config, "target_hidden_size", None) or H
-        self.embed_tokens = nn.Embedding(config.vocab_size, H)
-        self.embed_tokens.weight.requires_grad_(bool(getattr(config, "train_embeddings", True)))
-        self.fc = nn.Linear(3 * target_hidden, H, bias=False)
+        target_hidden = self.add_inputs(config, bool(getattr(config, "train_embeddings", True)))
         # what stands in for the target's features at depth >= 1 (speculators initialises it N(0, 1) too)
         self.mask_hidden = nn.Parameter(torch.randn(1, 3 * target_hidden))
-        self.layers = nn.ModuleList([Eagle3DecoderLayer(config)] +
-                                    [PEagleLayer(config) for _ in range(config.num_hidden_layers - 1)])
-        self.norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
-        self.lm_head = nn.Linear(H, Vd, bias=False)
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)
-        self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.layers = nn.ModuleList([FusedInputLayer(config)] +
+                                    [PlainLayer(config) for _ in range(config.num_hidden_layers - 1)])
+        self.add_outputs(config)
 
     @property
     def mask_token_id(self) -> int:
@@ -111,13 +86,6 @@ class PEagleHead(nn.Module):
         """(pre-norm hidden (B, N, H), logits (B, N, Vd)); arguments as `trunk`."""
         h = self.trunk(input_ids, hidden, position_ids, attn_mask, kv_caches, cache_positions)
         return h, self.logits(h)
-
-    draft_to_target = Eagle3Head.draft_to_target
-
-    @torch.no_grad()
-    def init_from_target(self, target_model, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Copy the target's embeddings and its lm_head rows for the draft vocab; set the vocab map."""
-        Eagle3Head.init_from_target(self, target_model, d2t, t2d)
 
 
 def slot_mask(anchor: torch.Tensor, depth: torch.Tensor, real: torch.Tensor, key_ok: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@
                         transformer_layer_config with the layer count, speculators_config (algorithm peagle);
                         the same tensors, mask_hidden shaped (1, 1, 3H_t) as speculators' parameter is
 
-Both are written atomically (heads/checkpoint.py `write_head_folder`); loading reads safetensors only and checks
+Both are written atomically (heads/folders.py `write_head_folder`); loading reads safetensors only and checks
 every tensor's name, shape and dtype.
 """
 
@@ -22,15 +22,18 @@ from typing import Optional
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.heads.checkpoint import (CONFIG, EMBED, WEIGHTS, config_from_json, folder_tensors,
-                                         default_aux_layer_ids, eagle3_config_json, keep_rope_fp32, layer_shapes,
-                                         llama_layer_config, read_checked_tensors, read_config_json,
-                                         write_head_folder)
+from draftsmith.heads.folders import (CONFIG, EAGLE3_ARCHITECTURE, EMBED, SERVING_K, WEIGHTS, build_head,
+                                      config_from_json, eagle3_architecture_config, export_writer, folder_hooks,
+                                      folder_tensors, layer_shapes, llama_layer_config, read_checked_tensors,
+                                      read_config_json, speculators_fields, speculators_writer,
+                                      with_target_embeddings, write_head_folder)
 from draftsmith.heads.peagle import PEagleHead
-from draftsmith.heads.speculators import SPECULATORS_VERSION, speculators_config
 
 PEAGLE_SPECULATORS_ARCHITECTURE = "PEagleDraftModel"
 MASK = "mask_hidden"
+ARCHITECTURES = (EAGLE3_ARCHITECTURE,)  # vLLM's parallel drafting reads EAGLE-3's architecture: `claims` tells ours
+FOREIGN_ARCHITECTURES = {PEAGLE_SPECULATORS_ARCHITECTURE: "the speculators format (vLLM loads it); give the P-EAGLE "
+                                                          "folder it was exported from"}
 
 
 def peagle_tensor_shapes(config) -> dict[str, tuple[int, ...]]:
@@ -55,7 +58,7 @@ def peagle_tensors(head: PEagleHead, dtype: Optional[torch.dtype] = None,
 # ---- format=peagle: the folder vLLM serves with parallel drafting --------------------------------------
 
 def peagle_config_json(head: PEagleHead, manifest_target: Optional[dict], dtype: Optional[torch.dtype]) -> dict:
-    out = eagle3_config_json(head.config, manifest_target, dtype)
+    out = eagle3_architecture_config(head.config, manifest_target, dtype)
     out["num_hidden_layers"] = head.config.num_hidden_layers
     out["parallel_drafting"] = True
     out["ptd_token_id"] = head.mask_token_id
@@ -96,20 +99,8 @@ def load_peagle(folder: str | os.PathLike, device="cpu", dtype: Optional[torch.d
     config.train_embeddings = bool(raw.get("train_embeddings", True))
     expected = peagle_tensor_shapes(config)
     tensors = read_checked_tensors(folder / WEIGHTS, expected, optional=(EMBED,))
-    if EMBED not in tensors:
-        if target_embeddings is None:
-            raise DraftsmithError(f"{folder / WEIGHTS} has no {EMBED!r}: pass the target's embeddings.")
-        weight = getattr(target_embeddings, "weight", target_embeddings).detach()
-        if tuple(weight.shape) != expected[EMBED]:
-            raise DraftsmithError(f"target_embeddings has shape {tuple(weight.shape)}, expected {expected[EMBED]}.")
-        tensors[EMBED] = weight.to("cpu", tensors["fc.weight"].dtype)
-    head = PEagleHead(config)
-    inv_freq = head.rotary_emb.inv_freq.clone()
-    head.to(tensors["fc.weight"].dtype)
-    head.load_state_dict(tensors, strict=True)
-    head.to(device=device, dtype=dtype)
-    keep_rope_fp32(head, inv_freq)
-    return head
+    return build_head(PEagleHead, config, with_target_embeddings(tensors, expected, folder, target_embeddings),
+                      device, dtype)
 
 
 # ---- format=speculators: vLLM's speculators format, type peagle ----------------------------------------
@@ -118,35 +109,15 @@ def speculators_peagle_config_json(head: PEagleHead, verifier: Optional[str], sp
                                    manifest_target: Optional[dict], dtype: torch.dtype) -> dict:
     """config.json for speculators' PEagleSpeculatorConfig (our layer: raw-h residual, no extra norms)."""
     config = head.config
-    aux = (manifest_target or {}).get("aux_layer_ids")
-    num_layers = (manifest_target or {}).get("num_layers")
-    if aux is None and num_layers is not None:
-        aux = default_aux_layer_ids(int(num_layers))
     layer = {**llama_layer_config(config), "num_hidden_layers": config.num_hidden_layers,
              "architectures": ["LlamaForCausalLM"]}
-    target_hidden = getattr(config, "target_hidden_size", None)
-    return {
-        "architectures": [PEAGLE_SPECULATORS_ARCHITECTURE],
-        "speculators_model_type": "peagle",
-        "speculators_version": SPECULATORS_VERSION,
-        "transformer_layer_config": layer,
-        "draft_vocab_size": config.draft_vocab_size,
-        "target_hidden_size": target_hidden if target_hidden and target_hidden != config.hidden_size else None,
-        "eagle_aux_hidden_state_layer_ids": [int(i) for i in aux] if aux is not None else None,
-        "mask_token_id": head.mask_token_id,
-        "norm_before_residual": False,
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
-        "embed_requires_grad": bool(getattr(config, "train_embeddings", True)),
-        "tie_word_embeddings": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "speculators_config": speculators_config("peagle", verifier, speculative_tokens),
-    }
+    return speculators_fields(config, PEAGLE_SPECULATORS_ARCHITECTURE, "peagle", layer, verifier, speculative_tokens,
+                              manifest_target, dtype, bool(getattr(config, "train_embeddings", True)),
+                              extra={"mask_token_id": head.mask_token_id})
 
 
 def save_speculators_peagle(head: PEagleHead, folder: str | os.PathLike, verifier: Optional[str] = None,
-                            speculative_tokens: int = 3, manifest_target: dict | None = None,
+                            speculative_tokens: int = SERVING_K, manifest_target: dict | None = None,
                             dtype: Optional[torch.dtype] = None, include_embeddings: bool = True) -> Path:
     """Write the drafter in speculators' P-EAGLE format (atomically) and return the folder."""
     if speculative_tokens < 1:
@@ -159,14 +130,18 @@ def save_speculators_peagle(head: PEagleHead, folder: str | os.PathLike, verifie
                              "speculators")
 
 
-# ---- publish: the model card's parts -------------------------------------------------------------------
+# ---- the method table's hooks (draftsmith.methods) -------------------------------------------------------------------
 
-def peagle_card(base_model: str, repo_id: str, report: Optional[dict], k: int, formats: list[str],
-                train: dict) -> dict:
-    """P-EAGLE's parts of the card (the method table's `card`): what it is, tags, the vLLM command, files."""
-    from draftsmith.heads.publish import card_commands
+claims = is_peagle_folder
 
-    options = train.get("method") if isinstance(train.get("method"), dict) else {}
+
+load, save = folder_hooks(load_peagle, save_peagle)
+FORMATS = {"peagle": export_writer(save_peagle), "speculators": speculators_writer(save_speculators_peagle)}
+
+
+def card(options: dict, formats: list[str], commands: dict) -> dict:
+    """P-EAGLE's parts of the card: what it is, tags, the vLLM command, files (`options`: the training run's method
+    options; `commands`: the engines' serving commands)."""
     return {
         "title": "A P-EAGLE (parallel drafting) head",
         "method": (f"P-EAGLE: an EAGLE-3-style drafter with {options.get('num_layers', 'several')} decoder layers, fed "
@@ -178,7 +153,7 @@ def peagle_card(base_model: str, repo_id: str, report: Optional[dict], k: int, f
                    "over a reduced vocabulary mapped to the target's by `d2t` / `t2d`."),
         "tags": ["peagle", "eagle3", "parallel-drafting", "speculative-decoding", "draft-model", "draftsmith", "vllm"]
                 + (["speculators"] if "speculators" in formats else []),
-        "commands": card_commands("peagle", base_model, repo_id, k, report),
+        "commands": dict(commands),
         "no_sglang": "SGLang has no parallel drafting for EAGLE heads: serve this head with vLLM.",
         "files": {"peagle": "vLLM `LlamaForCausalLMEagle3` with parallel_drafting, ptd_token_id and mask_hidden",
                   "speculators": "vLLM `PEagleDraftModel`, speculators_config (algorithm peagle)"},

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
+import torch
+
 from draftsmith import DraftsmithError
 
 
@@ -43,8 +45,6 @@ def one_of(name: str, value, choices: Iterable[str]) -> None:
 
 def device(name: str, value: str) -> None:
     """A torch device string that this machine has: `cuda` needs torch.cuda.is_available()."""
-    import torch
-
     try:
         kind = torch.device(value).type
     except (RuntimeError, TypeError, ValueError):

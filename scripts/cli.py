@@ -24,8 +24,8 @@ SUBCOMMANDS = {
     "data-gen": ("draftsmith.data_gen.run", "data_gen"),
     "train": ("draftsmith.train.run", "train"),
     "eval": ("draftsmith.eval.run", "eval"),
-    "export": ("draftsmith.heads.export", "export"),
-    "publish": ("draftsmith.heads.publish", "publish"),
+    "export": ("draftsmith.export", "export"),
+    "publish": ("draftsmith.publish", "publish"),
     "demo": ("draftsmith.demo", "demo"),
 }
 

@@ -38,7 +38,7 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, checks
 from draftsmith import artifacts as mf
 from draftsmith.artifacts import atomic_write_bytes, atomic_write_json
 from draftsmith.configs import compose
@@ -101,8 +101,6 @@ class DemoConfig:
     progress: bool = True  # show progress bars
 
     def __post_init__(self):
-        from draftsmith import checks
-
         checks.one_of("flavour", self.flavour, FLAVOURS)
         checks.at_least("n_prompts", self.n_prompts, 2, null="the flavour's")
         for name in ("max_prompt_tokens", "eval_prompts", "gen_max_new_tokens", "train_steps", "draft_vocab_size",

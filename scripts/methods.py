@@ -1,240 +1,175 @@
-"""The method table: one entry per drafting method. Stages look a method up here; none branches on a name.
+"""The method table: one row per drafting method. Stages look a method up here; none branches on a name.
 
     train   METHODS[name]: config (configs/method/<name>.yaml) -> new_drafter -> training -> save
-    eval    method_for_folder(config.json): load -> proposer (the decoder's interface, eval/proposers.py)
+    eval    method_for_folder(config.json): load -> proposer (the decoder's interface, eval/proposers/)
     export  method_for_folder(config.json): load -> formats[format]
 
-A method's own code lives in its files (EAGLE-3: heads/eagle3.py the drafter, heads/checkpoint.py
-and heads/export.py its folders, train/eagle3.py its training step, eval/proposers.py its
-proposer); its entry only names them. Adding a method is one entry plus its own files:
+A method has the same files in each stage, each with the same hooks; its row only names them:
 
-    Method(name, config=<dataclass>, architectures=(<config.json architecture>,),
-           new_drafter=f(target, method_cfg, train_data, resume_checkpoint) -> nn.Module,
-           training=f(drafter, target, method_cfg, mode, autocast) -> (module with .drafter, prepare),
-           summarize=f(stats) -> dict, save=f(drafter, folder, target_identity) -> Path,
-           load=f(folder, target) -> drafter, proposer=f(drafter, target_vocab_size, max_len) -> Proposer,
-           formats={format: f(drafter, folder, manifest_target, options) -> Path},
-           card=f(base_model, repo_id, eval_report, k, formats, train_config) -> the model card's parts,
-           offline_data=<the data-gen output mode=offline reads: hidden_states | topk_logits>,
-           claims=f(config.json dict) -> bool: which folders of an architecture another method shares are its)
+    heads/<m>.py                 the drafter (an nn.Module built from the shared kit, heads/kit.py)
+    heads/<m>_folders.py         ARCHITECTURES, load(folder, target) -> drafter, save(drafter, folder, identity),
+                                 FORMATS {format: writer(drafter, folder, manifest_target, options) -> Path},
+                                 card(options, formats, commands) -> the model card's parts;
+                                 optional: claims(config.json) -> bool, FOREIGN_ARCHITECTURES {arch: why not here}
+    train/<m>.py                 Config (the `method=<m>` options dataclass), new_drafter(target, cfg, train, resume),
+                                 training(drafter, target, cfg, mode, autocast) -> (module, prepare),
+                                 summarize(stats) -> dict, OFFLINE_DATA (what mode=offline reads)
+    eval/proposers/<m>.py        proposer(drafter, target_vocab_size, max_len) -> Proposer
+    configs/method/<m>.yaml      the options' defaults
 
-P-EAGLE's folders share EAGLE-3's architecture (`LlamaForCausalLMEagle3`, as vLLM wants); its entry claims
-those with "parallel_drafting": true (heads/peagle.py, heads/peagle_folders.py, train/peagle.py,
-eval/peagle_proposer.py).
-
-A method without `config` can be evaluated (its folders loaded and drafted with) but not trained.
+A row names the modules (imported when a stage first asks for a hook, so `draftsmith eval` never imports
+training code and `draftsmith train` never imports eval's); a method defined outside draftsmith registers
+its row with `register`. A row without `training` can be evaluated (its folders loaded and drafted with) but
+not trained.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from types import ModuleType
+from typing import Any, Callable, Optional, Protocol
+
+from omegaconf import OmegaConf
 
 from draftsmith import DraftsmithError
 
 
+# ---- the hooks each module holds ------------------------------------------------------------------------
+
+class Folders(Protocol):
+    """heads/<m>_folders.py"""
+
+    ARCHITECTURES: tuple[str, ...]  # config.json `architectures` of its folders; () = any other (the catch-all)
+    FORMATS: dict[str, Callable[[Any, Path, Optional[dict], Any], Path]]
+
+    def load(self, folder: Path, target: Any = None) -> Any: ...  # checked against the target when given
+    def save(self, drafter: Any, folder: Path, identity: dict) -> Path: ...
+    def card(self, options: dict, formats: list[str], commands: dict) -> dict: ...
+
+
+class Training(Protocol):
+    """train/<m>.py"""
+
+    Config: type  # the `method=<m>` options dataclass
+    OFFLINE_DATA: str  # what mode=offline reads from a data-gen folder (its manifest key)
+
+    def new_drafter(self, target: Any, cfg: Any, train: Any, resume: Optional[Path]) -> Any: ...
+    def training(self, drafter: Any, target: Any, cfg: Any, mode: str, autocast: Callable) -> tuple[Any, Callable]: ...
+    def summarize(self, stats: Any) -> dict: ...
+
+
+class Proposing(Protocol):
+    """eval/proposers/<m>.py"""
+
+    def proposer(self, drafter: Any, target_vocab_size: int, max_len: int) -> Any: ...
+
+
 @dataclass(frozen=True)
 class Method:
+    """One row: the method's name and the modules holding its hooks (import names)."""
+
     name: str
-    load: Callable  # (folder, target | None) -> drafter module, checked against the target when given
-    proposer: Callable  # (drafter, target_vocab_size, max_len) -> eval Proposer
-    architectures: tuple[str, ...] = ()  # config.json `architectures` of its folders; () = any other
-    config: Optional[type] = None  # the training options dataclass; None = not trainable
-    new_drafter: Optional[Callable] = None
-    training: Optional[Callable] = None
-    summarize: Optional[Callable] = None
-    save: Optional[Callable] = None
-    formats: dict[str, Callable] = field(default_factory=dict)  # export format -> writer
-    foreign_architectures: dict[str, str] = field(default_factory=dict)  # loadable elsewhere only: why not here
-    card: Optional[Callable] = None  # publish: (base_model, repo_id, report, k, formats, train config) -> card parts
-    offline_data: str = "hidden_states"  # what mode=offline reads from a data-gen folder (its manifest key)
-    claims: Optional[Callable] = None  # (config.json dict) -> bool: which folders of a shared architecture are its
+    folders: str  # heads/<m>_folders.py
+    proposers: str  # eval/proposers/<m>.py
+    training_module: Optional[str] = None  # train/<m>.py; None = not trainable
 
+    def _module(self, name: str) -> ModuleType:
+        return importlib.import_module(name)
 
-# ---- EAGLE-3 ------------------------------------------------------------------------------------
+    @property
+    def heads(self) -> Folders:
+        return self._module(self.folders)  # type: ignore[return-value]
 
-def check_target_hidden_size(folder: Path, target) -> None:
-    """A head whose fc reads the target's features must have been made for this target's width."""
-    config = read_folder_config(folder)
-    hidden = config.get("target_hidden_size") or config.get("hidden_size")
-    if hidden != target.hidden_size:
-        raise DraftsmithError(f"head {folder} reads target hidden size {hidden}, but target {target.target_id!r} "
-                              f"has {target.hidden_size}: it was made for another target.")
+    @property
+    def train(self) -> Optional[Training]:
+        return self._module(self.training_module) if self.training_module else None  # type: ignore[return-value]
 
+    # what the stages read
+    @property
+    def architectures(self) -> tuple[str, ...]:
+        return tuple(self.heads.ARCHITECTURES)
 
-def _load_eagle3(folder: Path, target=None):
-    from draftsmith.heads.checkpoint import load_eagle3
+    @property
+    def foreign_architectures(self) -> dict[str, str]:
+        return dict(getattr(self.heads, "FOREIGN_ARCHITECTURES", {}))
 
-    if target is None:
-        return load_eagle3(folder)
-    check_target_hidden_size(folder, target)
-    return load_eagle3(folder, device=target.device, dtype=target.dtype,
-                       target_embeddings=target.model.get_input_embeddings())
+    @property
+    def claims(self) -> Optional[Callable[[dict], bool]]:
+        return getattr(self.heads, "claims", None)
 
+    @property
+    def formats(self) -> dict[str, Callable]:
+        return self.heads.FORMATS
 
-def _save_eagle3(head, folder: Path, identity: dict) -> Path:
-    from draftsmith.heads.checkpoint import save_eagle3
+    def load(self, folder: Path, target: Any = None) -> Any:
+        return self.heads.load(folder, target)
 
-    return save_eagle3(head, folder, manifest_target=identity)
+    def save(self, drafter: Any, folder: Path, identity: dict) -> Path:
+        return self.heads.save(drafter, folder, identity)
 
+    @property
+    def card(self) -> Optional[Callable[[dict, list[str], dict], dict]]:
+        return getattr(self.heads, "card", None)
 
-def _export_eagle3(head, folder: Path, manifest_target: Optional[dict], options) -> Path:
-    from draftsmith.heads.checkpoint import save_eagle3
+    def proposer(self, drafter: Any, target_vocab_size: int, max_len: int) -> Any:
+        return self._module(self.proposers).proposer(drafter, target_vocab_size, max_len)
 
-    return save_eagle3(head, folder, manifest_target=manifest_target, dtype=options.dtype,
-                       include_embeddings=options.include_embeddings, stage="export")
+    @property
+    def config(self) -> Optional[type]:
+        return self.train.Config if self.train is not None else None
 
+    @property
+    def new_drafter(self) -> Callable:
+        return self.train.new_drafter
 
-def _export_speculators(head, folder: Path, manifest_target: Optional[dict], options) -> Path:
-    from draftsmith.heads.speculators import save_speculators
+    @property
+    def training(self) -> Callable:
+        return self.train.training
 
-    verifier = options.verifier or (manifest_target or {}).get("target_id")
-    return save_speculators(head, folder, verifier=verifier, speculative_tokens=options.speculative_tokens,
-                            manifest_target=manifest_target, dtype=options.dtype,
-                            include_embeddings=options.include_embeddings)
+    @property
+    def summarize(self) -> Callable:
+        return self.train.summarize
 
-
-def _eagle3_proposer(head, target_vocab_size: int, max_len: int):
-    from draftsmith.eval.proposers import Eagle3Proposer
-
-    return Eagle3Proposer(head, target_vocab_size, max_len)
-
-
-def _eagle3_entry() -> Method:
-    from draftsmith.heads.publish import eagle3_card
-    from draftsmith.train import eagle3
-
-    return Method(
-        name="eagle3", config=eagle3.Eagle3Config, architectures=("LlamaForCausalLMEagle3",),
-        new_drafter=eagle3.new_eagle3, training=eagle3.eagle3_training, summarize=eagle3.summarize,
-        save=_save_eagle3, load=_load_eagle3, proposer=_eagle3_proposer,
-        formats={"eagle3": _export_eagle3, "speculators": _export_speculators}, card=eagle3_card,
-        foreign_architectures={"Eagle3DraftModel": "the speculators format (vLLM loads it); give the "
-                                                   "EAGLE-3 folder it was exported from"})
-
-
-# ---- P-EAGLE: EAGLE-3's architecture drafting K tokens in one forward (parallel_drafting folders) -------
-
-def _load_peagle(folder: Path, target=None):
-    from draftsmith.heads.peagle_folders import load_peagle
-
-    if target is None:
-        return load_peagle(folder)
-    check_target_hidden_size(folder, target)
-    return load_peagle(folder, device=target.device, dtype=target.dtype,
-                       target_embeddings=target.model.get_input_embeddings())
-
-
-def _save_peagle(head, folder: Path, identity: dict) -> Path:
-    from draftsmith.heads.peagle_folders import save_peagle
-
-    return save_peagle(head, folder, manifest_target=identity)
-
-
-def _export_peagle(head, folder: Path, manifest_target: Optional[dict], options) -> Path:
-    from draftsmith.heads.peagle_folders import save_peagle
-
-    return save_peagle(head, folder, manifest_target=manifest_target, dtype=options.dtype,
-                       include_embeddings=options.include_embeddings, stage="export")
-
-
-def _export_speculators_peagle(head, folder: Path, manifest_target: Optional[dict], options) -> Path:
-    from draftsmith.heads.peagle_folders import save_speculators_peagle
-
-    verifier = options.verifier or (manifest_target or {}).get("target_id")
-    return save_speculators_peagle(head, folder, verifier=verifier, speculative_tokens=options.speculative_tokens,
-                                   manifest_target=manifest_target, dtype=options.dtype,
-                                   include_embeddings=options.include_embeddings)
-
-
-def _peagle_proposer(head, target_vocab_size: int, max_len: int):
-    from draftsmith.eval.peagle_proposer import PEagleProposer
-
-    return PEagleProposer(head, target_vocab_size, max_len)
-
-
-def _peagle_entry() -> Method:
-    from draftsmith.heads.peagle_folders import is_peagle_folder, peagle_card
-    from draftsmith.train import peagle
-
-    return Method(
-        name="peagle", config=peagle.PEagleConfig, architectures=("LlamaForCausalLMEagle3",), claims=is_peagle_folder,
-        new_drafter=peagle.new_peagle, training=peagle.peagle_training, summarize=peagle.summarize,
-        save=_save_peagle, load=_load_peagle, proposer=_peagle_proposer,
-        formats={"peagle": _export_peagle, "speculators": _export_speculators_peagle}, card=peagle_card,
-        foreign_architectures={"PEagleDraftModel": "the speculators format (vLLM loads it); give the P-EAGLE "
-                                                   "folder it was exported from"})
-
-
-# ---- a draft model: any HF causal LM sharing the target's tokenizer (trained by train/draft.py) -----
-
-def _load_draft_model(folder: Path, target=None):
-    from draftsmith.heads.draft import load_draft_folder
-
-    if target is None:
-        return load_draft_folder(folder).eval()
-    return load_draft_folder(folder, dtype=target.dtype).to(target.device).eval()
-
-
-def _save_draft(drafter, folder: Path, identity: dict) -> Path:
-    from draftsmith.heads.draft import save_draft
-
-    return save_draft(drafter, folder, manifest_target=identity)
-
-
-def _export_draft(model, folder: Path, manifest_target: Optional[dict], options) -> Path:
-    from draftsmith.heads.draft import save_draft
-
-    return save_draft(model, folder, manifest_target, stage="export", dtype=options.dtype)
-
-
-def _draft_model_proposer(model, target_vocab_size: int, max_len: int):
-    from draftsmith.eval.proposers import DraftModelProposer
-
-    return DraftModelProposer(model, target_vocab_size, max_len)
-
-
-def _draft_entry() -> Method:
-    """The catch-all (architectures=()): any HF causal-LM folder is evaluated as a draft model."""
-    from draftsmith.heads.draft import draft_card
-    from draftsmith.train import draft
-
-    return Method(name="draft", config=draft.DraftConfig, new_drafter=draft.new_draft,
-                  training=draft.draft_training, summarize=draft.summarize, save=_save_draft,
-                  load=_load_draft_model, proposer=_draft_model_proposer, formats={"hf": _export_draft},
-                  card=draft_card, offline_data="topk_logits")
+    @property
+    def offline_data(self) -> str:
+        return self.train.OFFLINE_DATA if self.train is not None else "hidden_states"
 
 
 # ---- the table ----------------------------------------------------------------------------------
 
-_ENTRIES = (_eagle3_entry, _peagle_entry, _draft_entry)
-METHODS: dict[str, Method] = {}
+ROWS = (
+    Method("eagle3", folders="draftsmith.heads.eagle3_folders", proposers="draftsmith.eval.proposers.eagle3",
+           training_module="draftsmith.train.eagle3"),
+    # P-EAGLE's folders share EAGLE-3's architecture (`LlamaForCausalLMEagle3`, as vLLM wants): it claims those
+    # with "parallel_drafting": true
+    Method("peagle", folders="draftsmith.heads.peagle_folders", proposers="draftsmith.eval.proposers.peagle",
+           training_module="draftsmith.train.peagle"),
+    # the catch-all (ARCHITECTURES = ()): any HF causal-LM folder is evaluated as a draft model
+    Method("draft", folders="draftsmith.heads.draft_folders", proposers="draftsmith.eval.proposers.draft",
+           training_module="draftsmith.train.draft"),
+)
+METHODS: dict[str, Method] = {row.name: row for row in ROWS}
 
 
 def methods() -> dict[str, Method]:
-    """name -> Method, built on first use (entries import their modules lazily)."""
-    if not METHODS:
-        for make in _ENTRIES:
-            entry = make()
-            METHODS[entry.name] = entry
+    """name -> Method."""
     return METHODS
 
 
 def register(entry: Method) -> None:
-    """Add (or replace) an entry: a method defined outside draftsmith, or a test's."""
-    methods()[entry.name] = entry
+    """Add (or replace) a row: a method defined outside draftsmith, or a test's."""
+    METHODS[entry.name] = entry
 
 
 def trainable() -> list[str]:
-    return [name for name, m in methods().items() if m.config is not None]
+    return [name for name, m in methods().items() if m.training_module is not None]
 
 
 def method_for_config(method_cfg: Any) -> Method:
-    """The entry whose config dataclass types `method_cfg` (a composed `method` node or a dataclass)."""
-    from omegaconf import OmegaConf
-
+    """The row whose config dataclass types `method_cfg` (a composed `method` node or a dataclass)."""
     cls = OmegaConf.get_type(method_cfg) if OmegaConf.is_config(method_cfg) else type(method_cfg)
     for entry in methods().values():
         if entry.config is not None and entry.config is cls:
@@ -257,7 +192,7 @@ def read_folder_config(folder: Path) -> dict:
 
 
 def method_for_folder(folder: Path, config: Optional[dict] = None) -> Method:
-    """The entry whose folders declare this `architectures` (the catch-all entry otherwise)."""
+    """The row whose folders declare this `architectures` (the catch-all row otherwise)."""
     config = read_folder_config(folder) if config is None else config
     arch = (config.get("architectures") or [None])[0]
     catch_all = None

@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Iterable, Optional
 
+from tqdm import tqdm
+
 
 def _interval() -> float:
     try:
@@ -115,7 +117,5 @@ def progress(iterable: Optional[Iterable] = None, total: Optional[int] = None, d
     if not enabled:
         return _Silent(iterable, total, desc, unit, initial)
     if sys.stderr.isatty():
-        from tqdm import tqdm
-
         return tqdm(iterable, total=total, desc=desc, unit=unit, initial=initial, leave=leave, dynamic_ncols=True)
     return PlainProgress(iterable, total, desc, unit, initial)

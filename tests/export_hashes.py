@@ -24,8 +24,9 @@ def build_heads(out: Path) -> None:
     import torch
 
     from draftsmith.data_gen.target import TargetConfig, load_target
-    from draftsmith.heads.checkpoint import save_eagle3
-    from draftsmith.heads.draft import draft_from_target, save_draft
+    from draftsmith.heads.eagle3_folders import save_eagle3
+    from draftsmith.heads.draft import draft_from_target
+    from draftsmith.heads.draft_folders import save_draft
     from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
     from draftsmith.heads.peagle import PEagleHead, peagle_config_from_target
     from draftsmith.heads.peagle_folders import save_peagle

@@ -9,14 +9,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
+from test_train_data import make_tiny_data
 
 from draftsmith import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target
-from draftsmith.heads.checkpoint import load_eagle3
+from draftsmith.heads.eagle3_folders import load_eagle3
 from draftsmith.train.config import DeepSpeedConfig, TrainConfig
 from draftsmith.train.eagle3 import Eagle3Config
 from draftsmith.train.run import run
-from test_train_data import make_tiny_data
 
 
 @pytest.fixture(scope="module")

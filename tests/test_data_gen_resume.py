@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -135,7 +136,7 @@ def test_a_corrupt_chunk_is_regenerated(compose_cfg, questions, tmp_path, monkey
 
 def test_a_live_lock_refuses_a_second_run(compose_cfg, questions, tmp_path):
     out = mf.claim_output(tmp_path / "o", "data_gen")  # a data-gen folder, as a running one is
-    (out / dg.LOCK).write_text(json.dumps({"pid": os.getpid(), "host": dg.socket.gethostname()}))
+    (out / dg.LOCK).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
     with pytest.raises(DraftsmithError, match=r"another data-gen \(pid \d+ on .*\) is writing to") as e:
         dg.run(compose_cfg("data_gen", *argv(questions, out)))
     assert "\n" not in str(e.value) and str(out / dg.LOCK) in str(e.value)
@@ -146,7 +147,7 @@ def test_a_stale_lock_is_taken_over(compose_cfg, questions, tmp_path):
     out = mf.claim_output(tmp_path / "o", "data_gen")
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    (out / dg.LOCK).write_text(json.dumps({"pid": gone.pid, "host": dg.socket.gethostname()}))
+    (out / dg.LOCK).write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname()}))
     dg.run(compose_cfg("data_gen", *argv(questions, out, "prompts.n=1")))
     assert (out / "manifest.json").is_file() and not (out / dg.LOCK).exists()
 

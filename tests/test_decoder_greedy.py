@@ -7,7 +7,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from draftsmith import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.eval.decoder import DraftingConfig, SamplingConfig, speculative_generate
-from draftsmith.eval.proposers import DraftModelProposer, Eagle3Proposer, NgramProposer
+from draftsmith.eval.proposers.draft import DraftModelProposer
+from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
+from draftsmith.eval.proposers.ngram import NgramProposer
 from draftsmith.eval.target_runner import TargetRunner
 from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
 

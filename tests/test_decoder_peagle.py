@@ -9,9 +9,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.eval import decoder
 from draftsmith.eval.decoder import DraftingConfig, SamplingConfig, speculative_generate
-from draftsmith.eval.peagle_proposer import PEagleProposer
+from draftsmith.eval.proposers.peagle import PEagleProposer
 from draftsmith.eval.target_runner import TargetRunner
-from draftsmith.heads.eagle3 import causal_mask
+from draftsmith.heads.kit import causal_mask
 from draftsmith.heads.peagle import PEagleHead, peagle_config_from_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

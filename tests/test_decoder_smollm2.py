@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from draftsmith.eval.decoder import DraftingConfig, SamplingConfig, speculative_generate
-from draftsmith.eval.proposers import Eagle3Proposer, NgramProposer
+from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
+from draftsmith.eval.proposers.ngram import NgramProposer
 from draftsmith.eval.target_runner import TargetRunner
 from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
 

@@ -247,7 +247,7 @@ def test_eval_defaults_to_the_builtin_engine(compose_cfg):
 
 def test_ngram_earliest_copies_what_vllm_copies():
     from draftsmith.eval.decoder import DraftingConfig
-    from draftsmith.eval.proposers import NgramProposer
+    from draftsmith.eval.proposers.ngram import NgramProposer
     from draftsmith.sampling import SamplingConfig
 
     seq = [7, 1, 2, 7, 3, 4, 7]  # the suffix [7] occurs at 0 and 3

@@ -29,7 +29,7 @@ from draftsmith.configs import compose
 from draftsmith.data_gen.run import run as data_gen
 from draftsmith.eval import engine_vllm as ev_engine
 from draftsmith.eval import run as ev
-from draftsmith.heads.export import run as export
+from draftsmith.export import run as export
 from draftsmith.train.run import run as train
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]

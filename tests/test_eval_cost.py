@@ -166,7 +166,7 @@ def test_recommended_settings_parse_as_the_engines_flags(method, mode):
 
 def test_static_runner_path_matches_and_stays_lossless(tiny_target):
     """The CUDA-graph path's eager twin (fixed shapes, device-held slots) gives the same logits and tokens."""
-    from draftsmith.eval.proposers import NgramProposer
+    from draftsmith.eval.proposers.ngram import NgramProposer
     from draftsmith.eval.target_runner import TargetRunner
 
     model = tiny_target.model.float()

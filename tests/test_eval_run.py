@@ -36,7 +36,7 @@ def questions(tmp_path_factory):
 
 def save_tiny_head(folder, identity=None):
     """A random EAGLE-3 head for the tiny target, saved with a manifest naming `identity`."""
-    from draftsmith.heads.checkpoint import save_eagle3
+    from draftsmith.heads.eagle3_folders import save_eagle3
     from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
     from draftsmith.heads.vocab import build_vocab_map
 

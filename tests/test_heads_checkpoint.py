@@ -10,9 +10,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from draftsmith import DraftsmithError
-from draftsmith.heads import checkpoint
-from draftsmith.heads.checkpoint import load_eagle3, save_eagle3
-from draftsmith.heads.eagle3 import Eagle3Head, causal_mask, eagle3_config_from_target
+from draftsmith.heads import folders
+from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
+from draftsmith.heads.eagle3_folders import load_eagle3, save_eagle3
+from draftsmith.heads.kit import causal_mask
 from draftsmith.heads.vocab import build_vocab_map
 
 DRAFT_VOCAB = 100
@@ -191,7 +192,7 @@ def failing_save(*args, **kwargs):
 
 
 def test_crash_mid_save_leaves_nothing_complete_looking(tiny_target, tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint, "save_file", failing_save)
+    monkeypatch.setattr(folders, "save_file", failing_save)
     with pytest.raises(DraftsmithError, match="disk full"):  # one sentence naming the folder
         save_eagle3(random_head(tiny_target), tmp_path / "head", manifest_target=tiny_target.identity())
     assert list(tmp_path.iterdir()) == []  # neither the folder nor a leftover temporary
@@ -201,7 +202,7 @@ def test_crash_mid_save_keeps_the_existing_folder(tiny_target, tmp_path, monkeyp
     old = random_head(tiny_target, seed=0)
     folder = save_eagle3(old, tmp_path / "head", manifest_target=tiny_target.identity())
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
-    monkeypatch.setattr(checkpoint, "save_file", failing_save)
+    monkeypatch.setattr(folders, "save_file", failing_save)
     with pytest.raises(DraftsmithError, match=f"could not write {folder}"):
         save_eagle3(random_head(tiny_target, seed=1), folder, manifest_target=tiny_target.identity())
     assert [p.name for p in tmp_path.iterdir()] == ["head"]

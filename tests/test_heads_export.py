@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from test_heads_checkpoint import EXPECTED_NAMES, logits_of, random_head, random_inputs
 
 from draftsmith.cli import main
-from draftsmith.heads.checkpoint import load_eagle3, save_eagle3
-from draftsmith.heads.export import ExportConfig, run
-from draftsmith.heads.speculators import speculators_name
-from test_heads_checkpoint import EXPECTED_NAMES, logits_of, random_head, random_inputs
+from draftsmith.export import ExportConfig, run
+from draftsmith.heads.eagle3_folders import load_eagle3, save_eagle3
+from draftsmith.heads.eagle3_folders import speculators_name
 
 
 @pytest.fixture

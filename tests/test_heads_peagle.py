@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith import DraftsmithError
 from draftsmith.cli import main
-from draftsmith.heads.eagle3 import causal_mask
+from draftsmith.heads.kit import causal_mask
 from draftsmith.heads.peagle import PEagleHead, peagle_config_from_target
 from draftsmith.heads.peagle_folders import load_peagle, save_peagle, save_speculators_peagle
 from draftsmith.heads.vocab import build_vocab_map

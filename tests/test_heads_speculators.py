@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from draftsmith.heads.eagle3 import ConcatKVCache, ttt_mask
-from draftsmith.heads.speculators import save_speculators
 from test_heads_checkpoint import random_head
+
+from draftsmith.heads.eagle3 import ttt_mask
+from draftsmith.heads.eagle3_folders import save_speculators
+from draftsmith.heads.kit import ConcatKVCache
 
 speculators_eagle3 = pytest.importorskip("speculators.models.eagle3")
 

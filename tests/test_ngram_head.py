@@ -1,4 +1,4 @@
-"""n-gram + head (`ngram_first=true`, eval/proposers.py NgramFirstProposer): drafts from a context match when
+"""n-gram + head (`ngram_first=true`, eval/proposers/ngram.py NgramFirstProposer): drafts from a context match when
 there is one and from the head otherwise; the head's state follows every emitted token even in n-gram cycles;
 decoding stays lossless (greedy token-identical to target-only; the sampling distribution test with its negative
 control)."""
@@ -13,8 +13,10 @@ from draftsmith import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.eval import decoder
 from draftsmith.eval.decoder import Draft, DraftingConfig, SamplingConfig, speculative_generate
-from draftsmith.eval.peagle_proposer import PEagleProposer
-from draftsmith.eval.proposers import DraftModelProposer, Eagle3Proposer, NgramFirstProposer, NgramProposer
+from draftsmith.eval.proposers.peagle import PEagleProposer
+from draftsmith.eval.proposers.draft import DraftModelProposer
+from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
+from draftsmith.eval.proposers.ngram import NgramFirstProposer, NgramProposer
 from draftsmith.eval.target_runner import TargetRunner
 from draftsmith.train.eagle3 import ttt_unroll
 from test_decoder_greedy import _draft_llama, _eagle_head, _repetitive_prompt

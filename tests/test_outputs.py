@@ -8,13 +8,13 @@ import os
 import stat
 
 import pytest
-
-from draftsmith import DraftsmithError
-from draftsmith.cli import main
-from draftsmith import artifacts as mf
-from draftsmith.heads.checkpoint import save_eagle3
 from test_heads_checkpoint import random_head
 from test_train_data import make_tiny_data
+
+from draftsmith import DraftsmithError
+from draftsmith import artifacts as mf
+from draftsmith.cli import main
+from draftsmith.heads.eagle3_folders import save_eagle3
 
 TRAIN = ["method=eagle3", "target=tiny", "wandb.mode=disabled", "progress=false", "deepspeed=none",
          "method.draft_vocab_size=64", "method.ttt_steps=2", "micro_batch_size=2"]
@@ -128,7 +128,7 @@ def test_full_disk_during_the_swap_is_one_sentence_and_keeps_the_old_export(head
 
     monkeypatch.setattr(mf.os, "replace", full)
     with pytest.raises(DraftsmithError, match=f"could not write {out}: No space left on device"):
-        from draftsmith.heads.export import ExportConfig, run
+        from draftsmith.export import ExportConfig, run
 
         run(ExportConfig(head=str(head), out=str(out)))
     assert snapshot(out) == before  # the earlier export put back

@@ -11,8 +11,9 @@ from draftsmith import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.eval import decoder
 from draftsmith.eval.decoder import DraftingConfig, SamplingConfig, speculative_generate
-from draftsmith.eval.peagle_proposer import PEagleProposer
-from draftsmith.eval.proposers import DraftModelProposer, Eagle3Proposer
+from draftsmith.eval.proposers.peagle import PEagleProposer
+from draftsmith.eval.proposers.draft import DraftModelProposer
+from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
 from draftsmith.eval.target_runner import TargetRunner
 from draftsmith.sampling import process_logits
 from test_decoder_greedy import _draft_llama, _eagle_head, _repetitive_prompt

@@ -10,11 +10,11 @@ import json
 from pathlib import Path
 
 import pytest
+from test_eval_run import eval_cfg, save_tiny_head
 
 from draftsmith import DraftsmithError
 from draftsmith.cli import main
-from draftsmith.heads.publish import PublishConfig, run
-from test_eval_run import eval_cfg, save_tiny_head
+from draftsmith.publish import PublishConfig, run
 
 TOKEN = "hf_draftsmithTestTokenNeverShown0123"
 REPO = "someone/tiny-eagle3"
@@ -134,7 +134,7 @@ def test_upload_is_one_commit_through_huggingface_hub_without_the_token(evaluate
         assert content == (out / name).read_bytes()
     assert all(r.headers.get("authorization") == f"Bearer {TOKEN}" for r in requests if r.url.path != "/api/agent-harnesses")
 
-    from draftsmith.heads.publish import summary
+    from draftsmith.publish import summary
 
     print(summary(result))  # what the CLI prints
     printed = capsys.readouterr()
@@ -161,7 +161,7 @@ def test_refused_without_a_report_unless_allowed(evaluated, tmp_path):
 def test_report_of_another_head_is_refused(evaluated, tmp_path):
     import torch
 
-    from draftsmith.heads.checkpoint import load_eagle3, save_eagle3
+    from draftsmith.heads.eagle3_folders import load_eagle3, save_eagle3
 
     head, eval_out, _ = evaluated
     other = load_eagle3(head)
@@ -175,10 +175,10 @@ def test_report_of_another_head_is_refused(evaluated, tmp_path):
 
 @pytest.mark.parametrize("repo_id", ["no-namespace", "a/b/c", "bad--name/x", "me/has space", "me/x.git", "me/"])
 def test_invalid_repo_id_is_refused_before_any_export(evaluated, tmp_path, monkeypatch, repo_id, capsys):
-    import draftsmith.heads.checkpoint as checkpoint
+    import draftsmith.heads.eagle3_folders as checkpoint
 
     head, eval_out, _ = evaluated
-    monkeypatch.setattr(checkpoint, "load_eagle3", lambda *a, **k: pytest.fail("exported before checking repo_id"))
+    monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("exported before checking repo_id"))
     with pytest.raises(SystemExit) as e:
         main(["publish", f"head={head}", f"repo_id={repo_id}", f"report={eval_out}", f"out={tmp_path / 'hub'}",
               "dry_run=true", "license=mit", "base_model=a/b"])
@@ -243,7 +243,7 @@ def test_publish_does_not_write_over_user_files(evaluated, tmp_path):
 
 
 def test_user_files_kept_in_the_publish_folder_are_never_uploaded(evaluated, tmp_path):
-    from draftsmith.heads.publish import upload_files
+    from draftsmith.publish import upload_files
 
     head, eval_out, _ = evaluated
     first = run(publish_cfg(head, tmp_path, report=str(eval_out), dry_run=True))

@@ -16,9 +16,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from test_eval_run import eval_cfg, save_tiny_head
 
 from draftsmith.cli import main
-from test_eval_run import eval_cfg, save_tiny_head
 
 REPO = "someone/tiny-eagle3"
 TOKEN = "hf_draftsmithTestTokenNeverShown0123"
@@ -212,7 +212,7 @@ def evaluated(tmp_path_factory):
 
 
 def test_the_published_folder_holds_no_local_path(evaluated, tmp_path, monkeypatch):
-    from draftsmith.heads.publish import PublishConfig, run
+    from draftsmith.publish import PublishConfig, run
 
     root, head = evaluated
     secret = str(root.parent)  # .../alice-private
@@ -241,7 +241,7 @@ def test_the_published_folder_holds_no_local_path(evaluated, tmp_path, monkeypat
 @pytest.mark.parametrize("name", ["report.md", "report.png", "report.json"])
 def test_a_linked_eval_file_is_refused(evaluated, tmp_path, name):
     from draftsmith import DraftsmithError
-    from draftsmith.heads.publish import PublishConfig, run
+    from draftsmith.publish import PublishConfig, run
 
     root, head = evaluated
     eval_copy = tmp_path / "eval"

@@ -8,14 +8,15 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
+from test_train_data import make_tiny_data
 
 from draftsmith import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target
-from draftsmith.heads.draft import DraftLM, draft_from_model, draft_from_target, pick_layers, save_draft
+from draftsmith.heads.draft import DraftLM, draft_from_model, draft_from_target, pick_layers
+from draftsmith.heads.draft_folders import save_draft
 from draftsmith.train.config import DeepSpeedConfig, TrainConfig
 from draftsmith.train.draft import DraftConfig, LoraOptions
 from draftsmith.train.run import run
-from test_train_data import make_tiny_data
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: more threads only add contention
 
@@ -177,7 +178,7 @@ def test_from_model_with_lora_trains_and_exports_a_plain_model(target, tiny_data
 def test_export_format_hf_writes_a_bf16_hf_folder(target, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.heads.export import ExportConfig, run as export_run
+    from draftsmith.export import ExportConfig, run as export_run
 
     save_draft(draft_from_target(target, [0, 7], None, False), tmp_path / "d", target.identity())
     out = export_run(ExportConfig(head=str(tmp_path / "d"), out=str(tmp_path / "e")))  # the draft's first format: hf

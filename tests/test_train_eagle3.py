@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 
 from draftsmith.data_gen.target import TargetConfig, load_target
-from draftsmith.heads.eagle3 import Eagle3Head, StaticKVCache, causal_mask, eagle3_config_from_target
+from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
+from draftsmith.heads.kit import StaticKVCache, causal_mask
 from draftsmith.heads.vocab import build_vocab_map
-from draftsmith.train.eagle3 import TargetHead, eagle3_loss, ttt_unroll
+from draftsmith.train.eagle3 import eagle3_loss, ttt_unroll
+from draftsmith.train.features import TargetHead
 
 
 def _setup(steps=4, T=11, B=2, draft_vocab=200):

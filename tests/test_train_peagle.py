@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.data_gen.target import TargetConfig, load_target
-from draftsmith.heads.eagle3 import causal_mask
+from draftsmith.heads.kit import causal_mask
 from draftsmith.heads.peagle import PEagleHead, peagle_config_from_target
 from draftsmith.heads.vocab import build_vocab_map
-from draftsmith.train.eagle3 import TargetHead
+from draftsmith.train.features import TargetHead
 from draftsmith.train.peagle import PEagleConfig, Slots, peagle_loss, parallel_forward, sample_slots
 
 DEPTHS = 5

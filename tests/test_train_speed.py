@@ -8,9 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.data_gen.target import TargetConfig, load_target
-from draftsmith.heads.eagle3 import ConcatKVCache, Eagle3Head, eagle3_config_from_target, ttt_mask
+from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target, ttt_mask
+from draftsmith.heads.kit import ConcatKVCache
 from draftsmith.heads.vocab import build_vocab_map
-from draftsmith.train.eagle3 import STATS, SoftCE, TargetHead, eagle3_loss, summarize, ttt_spans, ttt_unroll
+from draftsmith.train.eagle3 import STATS, SoftCE, eagle3_loss, summarize, ttt_spans, ttt_unroll
+from draftsmith.train.features import TargetHead
 
 
 def reference_unroll(head, input_ids, hidden, attention_mask, steps):

@@ -17,10 +17,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.eval.decoder import DraftingConfig, SamplingConfig, speculative_generate
-from draftsmith.eval.proposers import Eagle3Proposer
+from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
 from draftsmith.eval.target_runner import TargetRunner
 from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
-from draftsmith.train.eagle3 import TargetHead, eagle3_loss, summarize
+from draftsmith.train.eagle3 import eagle3_loss, summarize
+from draftsmith.train.features import TargetHead
 
 V = 16  # target vocab = draft vocab: no target token falls outside
 AUX = [0, 1, 2]  # HF hidden_states indices of a 2-layer target

@@ -40,6 +40,7 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith import DraftsmithError
 from draftsmith.artifacts import atomic_write_json, remove_written, replace_folder
+from draftsmith.heads.folders import check_weights_file
 
 STATE = "train_state.json"
 
@@ -84,9 +85,7 @@ def resolve_resume(resume: Optional[str], out: str | Path) -> Optional[Path]:
 
 
 def checked_weights(checkpoint: Path) -> Path:
-    """The checkpoint, once each of its safetensors files is a plain, complete file (heads.checkpoint's check)."""
-    from draftsmith.heads.checkpoint import check_weights_file
-
+    """The checkpoint, once each of its safetensors files is a plain, complete file (heads.folders' check)."""
     for f in sorted(checkpoint.glob("*.safetensors")):
         check_weights_file(f)
     return checkpoint

@@ -90,9 +90,6 @@ class TrainConfig:
     fail_at_step: Optional[int] = None
 
     def __post_init__(self):
-        from draftsmith.methods import method_for_config
-
-        method_for_config(self.method)  # a trainable method's options (they checked themselves)
         if self.data in (None, ""):
             raise DraftsmithError("data= is required: a data-gen output folder.")
         checks.one_of("mode", self.mode, ("auto", "online", "offline"))

@@ -18,7 +18,9 @@ from typing import Optional
 import torch
 
 from draftsmith import DraftsmithError
+from draftsmith.data_gen.capture import shard_problem
 from draftsmith.data_gen.dataset import HiddenStates, load_tokenized
+from draftsmith.data_gen.topk import TopkLogits
 
 
 @dataclass
@@ -81,8 +83,6 @@ def load_data(data_dir: str, target_identity: dict, mode: str, max_length: int, 
 def _load_topk_data(data_dir: str, target_identity: dict, mode: str, max_length: int, val_samples: int
                     ) -> tuple[TrainData, Optional[TrainData], str]:
     """load_data for a method whose offline signal is data-gen's top-k cache (auto = offline when it is there)."""
-    from draftsmith.data_gen.topk import TopkLogits
-
     if not Path(data_dir).is_dir():
         raise DraftsmithError(f"data={data_dir!r} is not a folder; give a data-gen output folder.")
     _, manifest = load_tokenized(data_dir, target_identity)
@@ -104,8 +104,6 @@ def _load_topk_data(data_dir: str, target_identity: dict, mode: str, max_length:
 def open_hidden_states(data_dir: str, num_rows: int) -> HiddenStates:
     """The data folder's hidden-state shards, checked before training: a missing, empty, truncated or
     corrupted shard (or index) is refused with one sentence naming the file, not met mid-run."""
-    from draftsmith.data_gen.capture import shard_problem
-
     redo = "rerun data-gen with the same settings on that folder to recapture it"
     index = Path(data_dir) / "hidden_states" / "index.json"
     try:

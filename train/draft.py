@@ -117,7 +117,7 @@ STATS = ("count", *(f"loss_{name}" for name in losses.LOSSES), "correct", "alpha
 
 
 @dataclass
-class TargetSide:
+class TargetLogProbs:
     """What the loss needs from the target at the selected positions (N of them), computed under no_grad."""
 
     logp: torch.Tensor  # (N, V) full-vocab log-probs, or (N, k + 1) over a top-k cache's tokens and the tail
@@ -133,7 +133,7 @@ def select_positions(attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> t
     return nxt & attention_mask.bool()
 
 
-def draft_loss(drafter: DraftLM, input_ids, attention_mask, select, target: TargetSide, weights: dict[str, float],
+def draft_loss(drafter: DraftLM, input_ids, attention_mask, select, target: TargetLogProbs, weights: dict[str, float],
                temperature: float, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The mixed loss of one micro-batch (mean over selected positions) and its statistics (len(STATS),)."""
     hidden = drafter.hidden(input_ids, attention_mask)  # (B, T, H)
@@ -161,7 +161,7 @@ class DraftStep(nn.Module):
         super().__init__()
         self.drafter, self.weights, self.temperature, self.beta = drafter, weights, temperature, beta
 
-    def forward(self, input_ids, attention_mask, loss_mask, select, target: TargetSide):
+    def forward(self, input_ids, attention_mask, loss_mask, select, target: TargetLogProbs):
         return draft_loss(self.drafter, input_ids, attention_mask, select, target, self.weights,
                           self.temperature, self.beta)
 
@@ -218,13 +218,20 @@ def draft_training(drafter: DraftLM, target, cfg: DraftConfig, mode: str,
                                          use_cache=False).last_hidden_state
                     logits = model.get_output_embeddings()(hidden[select])  # (N, V)
                 logp = torch.log_softmax(logits.float() / T, dim=-1)
-                side = TargetSide(logp, None, logp.argmax(-1), tokens)
+                side = TargetLogProbs(logp, None, logp.argmax(-1), tokens)
             else:
                 ids = batch.pop("topk_ids")[select].long()  # (N, k), most probable first
                 logp = losses.with_tail(batch.pop("topk_logp")[select].float(), batch.pop("topk_tail")[select].float())
-                side = TargetSide(logp, ids, ids[:, 0], tokens)
+                side = TargetLogProbs(logp, ids, ids[:, 0], tokens)
             for key in ("aux", "last"):
                 batch.pop(key, None)
             return {**batch, "select": select, "target": side}
 
     return DraftStep(drafter, parse_loss(cfg.loss), T, cfg.jsd_beta), prepare
+
+
+# the method table's hooks (draftsmith.methods)
+Config = DraftConfig
+OFFLINE_DATA = "topk_logits"  # what mode=offline reads from a data-gen folder
+new_drafter = new_draft
+training = draft_training

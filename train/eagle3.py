@@ -33,17 +33,19 @@ acceptance length of a chain of the TTT depth, etau_greedy and etau_sample (`sum
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from draftsmith import checks
 from transformers.models.llama.modeling_llama import rotate_half
 
+from draftsmith import checks
 from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
+from draftsmith.train.features import TargetSide, target_prepare, vocab_map_for
+from draftsmith.train.stats import CHAIN_STATS, STEP_STATS, summarize_steps
 
 
 @dataclass
@@ -63,72 +65,11 @@ class Eagle3Config:
         checks.at_least("method.ttt_steps", self.ttt_steps, 1)
         checks.positive("method.ttt_decay", self.ttt_decay)
 
-# Columns of the per-step statistics tensor `Eagle3Step.forward` returns, summed over positions. Step i's row:
-# outside_draft counts scored positions whose target argmax is outside the draft vocab; the chain_* columns
-# sum, over the anchors t whose targets t+1 .. t+1+i all count (chain_count of them), the products over
-# steps 0..i of [draft argmax right] and of alpha: the probability that a chain drafted at t gets i+1 tokens in.
-STATS = ("loss_sum", "loss_count", "correct", "alpha_sum", "metric_count", "outside_draft",
-         "chain_correct", "chain_alpha", "chain_count")
 
-
-@dataclass
-class TargetSide:
-    """What the loss needs from the target, computed once per batch under no_grad."""
-
-    probs: torch.Tensor  # (B, T, Vd) target probabilities over the draft vocab, renormalised
-    in_mass: torch.Tensor  # (B, T) the target's full-vocab probability mass on the draft vocab
-    argmax: torch.Tensor  # (B, T) the target's argmax (target ids)
-    argmax_in_draft: torch.Tensor  # (B, T) bool
-
-
-class TargetHead:
-    """The frozen target lm_head split into draft-vocab rows and the rest (never trained, never wrapped).
-
-    Target logits over the draft vocab come from the draft rows only; the rest is used just for
-    the full-vocab argmax and normaliser, so no full-vocab tensor survives this call. When data-gen
-    stored those two per position (`top`, `lse`: data_gen/capture.py), the rest is not multiplied at all.
-    """
-
-    def __init__(self, lm_head_weight: torch.Tensor, t2d: torch.Tensor):
-        t2d = t2d.to(lm_head_weight.device)
-        self.draft_ids = torch.nonzero(t2d).squeeze(1)  # (Vd,) target ids, ascending
-        self.rest_ids = torch.nonzero(~t2d).squeeze(1)
-        self.w_draft = lm_head_weight[self.draft_ids].detach()  # (Vd, H)
-        self.w_rest = lm_head_weight[self.rest_ids].detach()  # (V - Vd, H)
-
-    @torch.no_grad()
-    def __call__(self, last_hidden: torch.Tensor, rows: Optional[torch.Tensor] = None,
-                 top: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None) -> TargetSide:
-        """last_hidden (B, T, H): the target's post-final-norm hidden state. `rows` (B, T) bool: compute only
-        these positions (the losses read no other); the others are left zero (argmax 0, not in the draft vocab).
-        top / lse (B, T): the target's full-vocab argmax and logsumexp, when stored."""
-        if rows is not None:
-            part = self(last_hidden[rows], None, *((top[rows], lse[rows]) if top is not None else ()))
-            B, T = rows.shape
-            probs = part.probs.new_zeros(B, T, part.probs.shape[-1])
-            in_mass, argmax = part.in_mass.new_zeros(B, T), part.argmax.new_zeros(B, T)
-            in_draft = part.argmax_in_draft.new_zeros(B, T)
-            probs[rows], in_mass[rows], argmax[rows], in_draft[rows] = (part.probs, part.in_mass, part.argmax,
-                                                                         part.argmax_in_draft)
-            return TargetSide(probs, in_mass, argmax, in_draft)
-        x = last_hidden.to(self.w_draft.dtype)
-        draft_logits = (x @ self.w_draft.T).float()  # (B, T, Vd)
-        lse_draft = torch.logsumexp(draft_logits, dim=-1)
-        probs = torch.softmax(draft_logits, dim=-1)
-        if top is not None:  # stored: from the unrounded hidden state, so the draft part's mass is capped at 1
-            in_draft = torch.isin(top, self.draft_ids)
-            return TargetSide(probs, torch.exp(lse_draft - lse.float()).clamp(max=1.0), top.long(), in_draft)
-        best_draft, best_draft_i = draft_logits.max(dim=-1)
-        if self.rest_ids.numel():
-            rest_logits = (x @ self.w_rest.T).float()  # (B, T, V - Vd)
-            lse_full = torch.logaddexp(lse_draft, torch.logsumexp(rest_logits, dim=-1))
-            best_rest, best_rest_i = rest_logits.max(dim=-1)
-            in_draft = best_draft >= best_rest
-            argmax = torch.where(in_draft, self.draft_ids[best_draft_i], self.rest_ids[best_rest_i])
-        else:
-            lse_full, in_draft, argmax = lse_draft, torch.ones_like(lse_draft, dtype=torch.bool), self.draft_ids[best_draft_i]
-        return TargetSide(probs, torch.exp(lse_draft - lse_full), argmax, in_draft)
-
+# Columns of the per-step statistics tensor `Eagle3Step.forward` returns, summed over positions (train/stats.py):
+# the per-step ones and, since every TTT step drafts from the same anchors, the chain ones.
+STATS = STEP_STATS + CHAIN_STATS
+OFFLINE_DATA = "hidden_states"  # what mode=offline reads from a data-gen folder: the target's features
 
 def ttt_spans(valid: torch.Tensor, steps: int) -> list[tuple[int, int]]:
     """For each TTT step i, the index range [lo, hi) the step must compute, given valid (B, T) = the
@@ -333,35 +274,6 @@ class Eagle3Step(nn.Module):
         return eagle3_loss(self.drafter, input_ids, attention_mask, loss_mask, aux, target, self.steps, self.decay)
 
 
-def summarize(stats: torch.Tensor) -> dict:
-    """Per-step metrics from summed statistics (steps, len(STATS)) (summed over micro-batches / ranks).
-
-    Besides loss_i / acc_i / alpha_i: `outside_draft` (share of scored positions whose target argmax is
-    outside the draft vocab) and the expected acceptance length of a chain of K = steps drafted tokens,
-    no decoding needed: E[tau] = 1 + sum_{k=1..K} P(the first k drafts are accepted), bonus token
-    included, `etau_greedy` with acceptance = the draft's argmax equals the target's and `etau_sample`
-    with acceptance alpha_i. Term k is the mean, over anchors whose k targets all count, of the product
-    over steps i < k (the chain_* columns); when a method leaves those empty (P-EAGLE) it is the product
-    of the per-step means."""
-    s = stats.double()
-    out = {}
-    terms_greedy, terms_sample, run_greedy, run_sample = [], [], 1.0, 1.0
-    for i in range(s.shape[0]):
-        row = dict(zip(STATS, s[i].tolist()))
-        n = max(row["metric_count"], 1)
-        out[f"loss_{i}"] = row["loss_sum"] / max(row["loss_count"], 1)
-        out[f"acc_{i}"] = row["correct"] / n
-        out[f"alpha_{i}"] = row["alpha_sum"] / n
-        run_greedy, run_sample = run_greedy * out[f"acc_{i}"], run_sample * out[f"alpha_{i}"]
-        chained = row["chain_count"] > 0
-        terms_greedy.append(row["chain_correct"] / row["chain_count"] if chained else run_greedy)
-        terms_sample.append(row["chain_alpha"] / row["chain_count"] if chained else run_sample)
-    out["outside_draft"] = s[0, STATS.index("outside_draft")].item() / max(s[0, STATS.index("metric_count")].item(), 1)
-    out["etau_greedy"] = 1 + sum(terms_greedy)
-    out["etau_sample"] = 1 + sum(terms_sample)
-    return out
-
-
 # ---- the method table's entry points (draftsmith.methods) ----------------------------------------
 
 def new_eagle3(target, cfg: Eagle3Config, train, resume: Optional[Path]) -> Eagle3Head:
@@ -373,20 +285,6 @@ def new_eagle3(target, cfg: Eagle3Config, train, resume: Optional[Path]) -> Eagl
     return head
 
 
-def vocab_map_for(target, draft_vocab_size: int, train, resume: Optional[Path]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t, t2d): from the training rows' assistant tokens, or on resume the checkpoint's (never rebuilt)."""
-    from draftsmith.heads.vocab import build_vocab_map, count_tokens
-
-    if resume is not None:
-        from safetensors.torch import load_file
-
-        saved = load_file(str(resume / "head.safetensors"))
-        return saved["d2t"], saved["t2d"]
-    rows = train.indices
-    counts = count_tokens((train.input_ids[i] for i in rows), (train.loss_mask[i] for i in rows), target.vocab_size)
-    return build_vocab_map(counts, min(draft_vocab_size, target.vocab_size))
-
-
 def eagle3_training(head: Eagle3Head, target, cfg: Eagle3Config, mode: str,
                     autocast: Callable) -> tuple[Eagle3Step, Callable[[dict], dict]]:
     """(the module to train, `prepare(batch)`): prepare adds the target side under no_grad:
@@ -394,23 +292,8 @@ def eagle3_training(head: Eagle3Head, target, cfg: Eagle3Config, mode: str,
     return Eagle3Step(head, cfg.ttt_steps, cfg.ttt_decay), target_prepare(head.t2d, target, mode, autocast)
 
 
-def target_prepare(t2d: torch.Tensor, target, mode: str, autocast: Callable) -> Callable[[dict], dict]:
-    """`prepare(batch)` adding `aux` (online: the target runs; offline: the batch's) and the TargetSide over
-    the draft vocab `t2d`; shared by the methods that read the target's features."""
-    target_head = TargetHead(target.model.get_output_embeddings().weight, t2d)
-    features = target.features if mode == "online" else None  # offline keeps only target_head
-
-    def prepare(batch: dict) -> dict:
-        with torch.no_grad():
-            if features is not None:
-                with autocast():
-                    aux, last = features(batch["input_ids"], batch["attention_mask"])
-            else:
-                aux, last = batch.pop("aux"), batch.pop("last")
-            batch.pop("last", None)
-            stored = (batch.pop("target_top", None), batch.pop("target_lse", None))  # offline, when data-gen stored them
-            # (online batches carry neither: (None, None) = recompute from the full lm_head)
-            counted = batch["loss_mask"].bool() & batch["attention_mask"].bool()  # the only positions a loss reads
-            return {**batch, "aux": aux, "target": target_head(last, counted, *stored)}
-
-    return prepare
+# the method table's hooks (draftsmith.methods)
+Config = Eagle3Config
+new_drafter = new_eagle3
+training = eagle3_training
+summarize = partial(summarize_steps, columns=STATS)  # metrics and E[tau] from the summed statistics

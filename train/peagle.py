@@ -22,13 +22,14 @@ checks this against per-group forwards).
 Loss: soft cross-entropy (target probs, draft log-probs) over every valid slot whose target argmax is in the
 draft vocab, averaged over those slots; `depth_decay`^d weights depth d (1.0, no decay, by default).
 Logged per depth d: loss, accuracy and expected acceptance alpha_d = sum_v min(p_v, q_v), as EAGLE-3 logs
-them per TTT step (the same statistics columns and `summarize`).
+them per TTT step (train/stats.py's step columns and summary; no chain columns).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -38,8 +39,13 @@ from torch import nn
 
 from draftsmith import DraftsmithError, checks
 from draftsmith.heads.peagle import PEagleHead, peagle_config_from_target, slot_mask
-from draftsmith.train.eagle3 import TargetSide, target_prepare, vocab_map_for
-from draftsmith.train.eagle3 import summarize  # noqa: F401  (the table's: one row per depth, EAGLE-3's columns)
+from draftsmith.train.features import TargetSide, target_prepare, vocab_map_for
+from draftsmith.train.stats import STEP_STATS, summarize_steps
+
+# Columns of the per-depth statistics tensor `peagle_loss` returns (train/stats.py): no chain columns, as the slots
+# of one anchor are sampled, not all there.
+STATS = STEP_STATS
+OFFLINE_DATA = "hidden_states"  # what mode=offline reads from a data-gen folder: the target's features
 
 
 @dataclass
@@ -162,11 +168,10 @@ def peagle_loss(head: PEagleHead, input_ids: torch.Tensor, attention_mask: torch
         correct = head.draft_to_target(q_logits.argmax(dim=-1)) == target.argmax[b_idx, t_idx]
         alpha = torch.minimum(q, p * target.in_mass[b_idx, t_idx, None]).sum(-1)  # (M,)
         one_hot = F.one_hot(d_idx, depths).to(ce.dtype)  # (M, depths)
-        none = ce.new_zeros(depths)  # the chain_* columns: slots of one anchor are sampled, not all there
         stats = torch.stack([one_hot.T @ (ce.detach() * in_loss), one_hot.T @ in_loss.to(ce.dtype),
                              one_hot.T @ correct.to(ce.dtype), one_hot.T @ alpha, one_hot.sum(0),
-                             one_hot.T @ (~in_loss).to(ce.dtype), none, none, none], dim=1)
-    return loss, stats  # stats columns: train/eagle3.py STATS, one row per depth
+                             one_hot.T @ (~in_loss).to(ce.dtype)], dim=1)
+    return loss, stats  # stats columns: STATS, one row per depth
 
 
 class PEagleStep(nn.Module):
@@ -212,3 +217,10 @@ def peagle_training(head: PEagleHead, target, cfg: PEagleConfig, mode: str,
         return {**batch, "slots": slots.to(batch["input_ids"].device)}
 
     return PEagleStep(head, cfg.depths, cfg.depth_decay), prepare
+
+
+# the method table's hooks (draftsmith.methods)
+Config = PEagleConfig
+new_drafter = new_peagle
+training = peagle_training
+summarize = partial(summarize_steps, columns=STATS)  # metrics and E[tau] from the summed statistics

@@ -19,14 +19,18 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from draftsmith import DraftsmithError, machine
 from draftsmith.artifacts import (OWNER, atomic_write_bytes, atomic_write_json, claim_output, clean_temporaries,
                                   is_empty, owner_of, prepare_output, refuse_links, remove_written)
+from draftsmith.configs import check_config
 from draftsmith.data_gen.target import load_target, resolve_target_dtype
 from draftsmith.methods import Method, method_for_config
 from draftsmith.train import checkpoint as ckpt
@@ -40,8 +44,6 @@ log = logging.getLogger(__name__)
 
 def validate(cfg) -> None:
     """Refuse bad option values with one sentence naming the option (the checks live in TrainConfig)."""
-    from draftsmith.configs import check_config
-
     check_config("train", cfg)
 
 
@@ -80,10 +82,6 @@ def resolve_auto(cfg) -> dict:
 
 
 def seed_everything(seed: int) -> None:
-    import random
-
-    import numpy as np
-
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -93,8 +91,6 @@ def close_distributed() -> None:
     """Tear the process group down so every rank exits (gloo ranks otherwise wait at exit).
 
     A single process keeps its private group: DeepSpeed caches it for later runs in the same process."""
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

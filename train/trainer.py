@@ -15,6 +15,7 @@ no_grad before forward.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -27,10 +28,13 @@ from typing import Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch import nn
 
 from draftsmith import DraftsmithError, machine
+from draftsmith.locks import stale_extension_locks
 from draftsmith.procenv import launched_processes
+from draftsmith.progress import progress
 from draftsmith.train import checkpoint as ckpt
 from draftsmith.train.data import TrainData, batch_order, collate, micro_batches
 
@@ -67,8 +71,6 @@ class TrainerConfig:
 
     @staticmethod
     def from_train(cfg) -> "TrainerConfig":
-        import dataclasses
-
         values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainerConfig) if f.name != "deepspeed"}
         values["betas"] = tuple(values["betas"])
         return TrainerConfig(deepspeed=cfg.deepspeed.config, **values)
@@ -102,34 +104,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def stale_extension_locks(root: Optional[Path] = None, min_age_s: float = 60.0) -> list[Path]:
-    """Build locks in torch's extension folder that a killed build left behind.
-
-    DeepSpeed JIT-builds ops (on CPU: deepspeed_shm_comm, cpu_adam) under torch's `FileBaton`: the builder
-    creates `<op>/lock` and keeps it open; every other process polls until the file is gone, forever. A lock
-    that no process on this machine holds open and that is older than `min_age_s` will never go away."""
-    if root is None:
-        from torch.utils.cpp_extension import get_default_build_root
-
-        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    locks = []
-    for lock in root.glob("*/*/lock") if root.is_dir() else ():
-        try:
-            if time.time() - lock.stat().st_mtime > min_age_s:
-                locks.append(lock)
-        except FileNotFoundError:  # a build that finished between the listing and the stat
-            continue
-    if not locks or not Path("/proc/self/fd").is_dir():  # no lock, or not Linux: nothing can be told
-        return []
-    held = set()
-    for fd in Path("/proc").glob("[0-9]*/fd/*"):
-        try:
-            held.add(Path(os.readlink(fd)))
-        except OSError:  # a process or fd that went away, or one we may not read
-            continue
-    return [p for p in locks if p.resolve() not in held]
 
 
 def init_distributed(cfg) -> tuple[int, int]:
@@ -285,8 +259,6 @@ def load_checkpoint(w: Wrapped, path: Path, rank: int) -> None:
 
     DeepSpeed's pickles are first proven loadable with weights_only=True (checkpoint.py), and
     DeepSpeed's own load runs under the same restriction: nothing in a checkpoint is executed."""
-    from safetensors.torch import load_file
-
     if w.engine is not None:
         ckpt.verify_deepspeed_files(path)
         with ckpt.restricted_deepspeed_load(w.engine):
@@ -322,8 +294,6 @@ class Logger:
         if start == 0:
             self.path.write_text("")  # a killed earlier attempt must not leave its records in front of ours
         if cfg.progress:
-            from draftsmith.progress import progress
-
             self.bar = progress(total=total, initial=start, desc="train", unit="step")
         mode = wandb_mode(cfg.wandb.mode)
         if mode != "disabled":

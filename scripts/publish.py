@@ -21,6 +21,7 @@ on the Hub now, and how to retry.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import re
@@ -29,16 +30,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from draftsmith import DraftsmithError
+from omegaconf import OmegaConf
+
+from draftsmith import DraftsmithError, checks
 from draftsmith.artifacts import (MANIFEST, OWNER, RECORD, atomic_folder, atomic_write_bytes, atomic_write_json,
                                           claim_output, prepare_output, read_manifest, read_record)
+from draftsmith.data_gen.target import DTYPES, KNOWN_TARGETS, PRESETS, torch_dtype
 from draftsmith.eval.cost import serving_settings
-from draftsmith.heads.export import is_set
+from draftsmith.export import ExportOptions, is_set
+from draftsmith.heads.folders import SERVING_K, WEIGHTS, check_weights_file, weights_sha256
+from draftsmith.methods import export_formats, method_for_folder
 
 REPO_ID_RULE = "<owner>/<name>, letters, digits, '-', '_' and '.', at most 96 characters"
-# Targets draftsmith names itself, and their Hub ids and licenses
-KNOWN_TARGETS = {"smollm2": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0")}
-DEFAULT_K = 3  # speculative tokens in the serving commands when no eval report says otherwise
 
 
 @dataclass
@@ -65,13 +68,8 @@ class PublishConfig:
     hub_timeout: float = 60.0
 
     def __post_init__(self):
-        from draftsmith import checks
-        from draftsmith.data_gen.target import DTYPES
-
         if self.repo_id != "???":
             check_repo_id(self.repo_id)
-        from draftsmith.methods import export_formats
-
         if self.formats is not None:
             formats = list(self.formats)
             if not formats:
@@ -117,9 +115,6 @@ def refuse_links(*paths: Path) -> None:
 def head_folder(head: str | Path):
     """(the head folder `head=` names: the folder itself or its final/, its method from draftsmith.methods);
     its weights checked and no file in it a link, before any work."""
-    from draftsmith.heads.checkpoint import WEIGHTS, check_weights_file
-    from draftsmith.methods import method_for_folder
-
     path = Path(str(head))
     folder = next((f for f in (path, path / "final") if (f / "config.json").is_file()), None)
     if folder is None:
@@ -155,8 +150,6 @@ def read_report(path: str | Path) -> tuple[dict, Path]:
 
 def matching_report(cfg, folder: Path) -> Optional[tuple[dict, Path]]:
     """The eval report of this head (matched by the SHA-256 of its weights), None when allowed, else refused."""
-    from draftsmith.heads.checkpoint import weights_sha256
-
     if not cfg.report:
         if cfg.allow_no_eval:
             return None
@@ -216,29 +209,6 @@ def card_commands(method: str, base_model: str, repo_id: str, k: int, report: Op
     return {engine: settings[engine]["command"] for engine in ("vllm", "sglang") if settings[engine]["command"]}
 
 
-def eagle3_card(base_model: str, repo_id: str, report: Optional[dict], k: int, formats: list[str],
-                train: dict) -> dict:
-    """EAGLE-3's parts of the card (the method table's `card`): what it is, tags, serving commands, files."""
-    commands = card_commands("eagle3", base_model, repo_id, k, report)
-    if formats[0] != "eagle3":
-        del commands["sglang"]  # SGLang loads only the EAGLE-3 folder format
-    options = train.get("method") if isinstance(train.get("method"), dict) else {}
-    return {
-        "title": "An EAGLE-3 draft head",
-        "method": ("EAGLE-3: one Llama decoder layer fed by the target's hidden states from three layers (low, "
-                   "middle, high), fused by a linear layer, trained with the training-time test (the head's own "
-                   f"outputs fed back for {options.get('ttt_steps', 7)} steps, loss weights "
-                   f"{options.get('ttt_decay', 0.8)}^i) on the target's own answers. It drafts over a reduced "
-                   "vocabulary mapped to the target's by `d2t` / `t2d`."),
-        "tags": ["eagle3", "speculative-decoding", "draft-model", "draftsmith", "vllm"]
-                + (["sglang"] if formats[0] == "eagle3" else []) + (["speculators"] if "speculators" in formats else []),
-        "commands": commands,
-        "no_sglang": "SGLang loads the EAGLE-3 format: publish with formats=[eagle3,...] to serve this head there.",
-        "files": {"eagle3": "vLLM `LlamaForCausalLMEagle3`, SGLang", "speculators": "vLLM `Eagle3DraftModel`, speculators_config"},
-        "draft_vocab_size": options.get("draft_vocab_size"),
-    }
-
-
 def eval_results(report: dict, base_model: str) -> list:
     """model-index entries: tau, speedup and position-1 acceptance of the report."""
     from huggingface_hub import EvalResult
@@ -269,8 +239,6 @@ def training_summary(folder: Path, offline_data: str) -> dict:
         summary["head"] = read_manifest(folder).get("counts", {})
     run_dir = folder.parent if folder.name == "final" else None
     if run_dir is not None and (run_dir / "config.yaml").is_file():
-        from omegaconf import OmegaConf
-
         train = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=False)
         summary["train"] = {k: train.get(k) for k in ("method", "mode", "epochs", "max_steps", "lr", "precision",
                                                       "max_length", "micro_batch_size", "grad_accum") if k in train}
@@ -356,7 +324,9 @@ def build_card(cfg, base_model: str, license: str, report: Optional[dict], summa
     from huggingface_hub import ModelCard, ModelCardData
 
     name = cfg.repo_id.split("/")[1]
-    parts = method.card(base_model, cfg.repo_id, report, k, formats, summary.get("train", {}))
+    train = summary.get("train", {})
+    options = train.get("method") if isinstance(train.get("method"), dict) else {}
+    parts = method.card(options, formats, card_commands(method.name, base_model, cfg.repo_id, k, report))
     commands = parts["commands"]
     data = ModelCardData(base_model=base_model, license=license, library_name=cfg.library_name, tags=parts["tags"],
                          pipeline_tag="text-generation", model_name=name,
@@ -435,8 +405,6 @@ def path_forms(path) -> set[str]:
 
 
 def is_local_path(name: str) -> bool:
-    from draftsmith.data_gen.target import PRESETS
-
     return bool(name) and name not in PRESETS and (os.path.isabs(name) or name.startswith((".", "~"))
                                                    or Path(name).expanduser().exists())
 
@@ -477,9 +445,6 @@ def public_paths(cfg, folder: Path, report: Optional[tuple[dict, Path]], target:
 
 def write_formats(folder: Path, tmp: Path, formats: list[str], cfg, base_model: str, k: int, method) -> None:
     """Export the head into tmp with its method's writers: the first format at the root, the others in subfolders."""
-    from draftsmith.data_gen.target import torch_dtype
-    from draftsmith.heads.export import ExportOptions
-
     head = method.load(folder)
     target = read_manifest(folder).get("target") if (folder / MANIFEST).is_file() else None
     options = ExportOptions(torch_dtype(cfg.dtype), cfg.include_embeddings, verifier=base_model, speculative_tokens=k)
@@ -559,8 +524,6 @@ def hub_timeouts(seconds: float):
 def hub_errors() -> tuple[type, ...]:
     """What a failing Hub raises: HTTP answers (HfHubHTTPError), offline mode and refused connections (OSErrors),
     timeouts and transport errors (the HTTP library's own), an answer that is not JSON (ValueError)."""
-    import importlib
-
     errors: list[type] = [OSError, ValueError]
     for name in ("httpx2", "httpx"):
         try:
@@ -660,7 +623,7 @@ def run(cfg) -> dict:
     report = matching_report(cfg, folder)
     target = read_manifest(folder).get("target", {}) if (folder / MANIFEST).is_file() else {}
     base_model, license = resolve_base_model(cfg, target)
-    k = cfg.speculative_tokens or (report[0]["drafting"]["num_speculative_tokens"] if report else DEFAULT_K)
+    k = cfg.speculative_tokens or (report[0]["drafting"]["num_speculative_tokens"] if report else SERVING_K)
     if not cfg.dry_run and hub_offline():
         raise DraftsmithError(OFFLINE)
     if not cfg.dry_run and not has_token():

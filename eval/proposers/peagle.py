@@ -26,7 +26,9 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.eval.decoder import Draft, DraftingConfig
-from draftsmith.heads.eagle3 import StaticKVCache
+from draftsmith.eval.proposers.kit import eval_head
+from draftsmith.heads.kit import StaticKVCache
+from draftsmith.heads.peagle import PEagleHead
 from draftsmith.sampling import SamplingConfig, process_logits
 
 
@@ -35,11 +37,7 @@ class PEagleProposer:
 
     def __init__(self, head, target_vocab_size: int, max_len: int):
         cfg = head.config
-        if cfg.vocab_size != target_vocab_size:
-            raise DraftsmithError(f"P-EAGLE head was built for a vocab of {cfg.vocab_size}, the target has "
-                                  f"{target_vocab_size}; use a head trained for this target.")
-        self.head = head.eval()
-        p = next(head.parameters())
+        self.head, p = eval_head(head, target_vocab_size, "P-EAGLE")
         self.device = p.device
         self.max_len, self.V = max_len, target_vocab_size
         self.caches = [StaticKVCache(1, max_len, cfg.num_key_value_heads, cfg.head_dim, dtype=p.dtype, device=p.device)
@@ -91,3 +89,8 @@ class PEagleProposer:
         _, logits = self.head(ids, hidden, pos[None], mask, self.caches, pos)
         self.pending = self.pending[:0]  # the entries now sit in the cache
         return logits[0, T - 1:]  # the last entry and the mask slots
+
+
+def proposer(head: PEagleHead, target_vocab_size: int, max_len: int) -> PEagleProposer:
+    """The method table's hook: the decoder's proposer for a P-EAGLE head."""
+    return PEagleProposer(head, target_vocab_size, max_len)

@@ -1,23 +1,26 @@
-"""Save and load the EAGLE-3 folder that vLLM and SGLang load as a drafter.
+"""What every head folder shares: file names, tensor lists and checks, the Llama layer block of config.json,
+the `LlamaForCausalLMEagle3` config both EAGLE-style methods write, the speculators config block, and atomic
+writes.
 
     folder/
-      config.json         LlamaForCausalLMEagle3, 1 layer, draft_vocab_size, target-matching sizes
-      model.safetensors   fc, midlayer.*, norm, lm_head, d2t (int64), t2d (bool) [, embed_tokens]
+      config.json         the engine's config (a method's folders module writes it)
+      model.safetensors   the head's tensors (d2t int64 and t2d bool whatever the weights' dtype)
       manifest.json       draftsmith's manifest (stage, target identity), when a target is given
 
-Folders are written atomically: everything goes into a hidden sibling folder that is renamed
-into place only when complete, so a crash never leaves a folder that looks finished and never
-destroys the one that was there. Loading uses safetensors only (no pickle) and checks every
-tensor name, shape and dtype before building the head.
+Folders are written atomically: everything goes into a hidden sibling folder that is renamed into place only
+when complete, so a crash never leaves a folder that looks finished and never destroys the one that was there.
+Loading uses safetensors only (no pickle) and checks every tensor name, shape and dtype before building the head.
+A method's own folders live in heads/<method>_folders.py.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import types
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 from safetensors import safe_open
@@ -25,16 +28,19 @@ from safetensors.torch import save_file
 
 from draftsmith import DraftsmithError
 from draftsmith.artifacts import atomic_folder, atomic_write_json, claim_output, write_manifest
-from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
+from draftsmith.heads.kit import DEFAULT_ROPE_THETA, default_aux_layer_ids, draft_config_from_target
 
-EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM's and SGLang's architecture of EAGLE-style heads
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 EMBED = "embed_tokens.weight"
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config schema this writes
+# K an engine is told (the speculators greedy proposal, publish's serving commands) when no eval report measured one
+SERVING_K = 3
 
 
 # ---------------------------------------------------------------------------------------------
-# What the folder holds
+# What a folder holds
 
 
 def layer_shapes(config, prefix: str, in_width: int) -> dict[str, tuple[int, ...]]:
@@ -55,30 +61,8 @@ def layer_shapes(config, prefix: str, in_width: int) -> dict[str, tuple[int, ...
     }
 
 
-def eagle3_tensor_shapes(config) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the EAGLE-3 folder (embed_tokens included) and its shape, for `config`."""
-    H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
-    H_t = getattr(config, "target_hidden_size", None) or H
-    return {
-        "fc.weight": (H, 3 * H_t),
-        "midlayer.hidden_norm.weight": (H,),
-        **layer_shapes(config, "midlayer.", 2 * H),  # q/k/v read [embedding; hidden]
-        "norm.weight": (H,),
-        "lm_head.weight": (Vd, H),
-        "d2t": (Vd,),
-        "t2d": (V,),
-        EMBED: (V, H),
-    }
-
-
 # The vocab map keeps its integer / boolean dtypes whatever the weights' dtype.
 FIXED_DTYPES = {"d2t": torch.int64, "t2d": torch.bool}
-
-
-def head_tensors(head: Eagle3Head, dtype: Optional[torch.dtype] = None,
-                 include_embeddings: bool = True) -> dict[str, torch.Tensor]:
-    """The head's tensors under the EAGLE-3 folder's names, contiguous on CPU, floats in `dtype`."""
-    return folder_tensors(head, eagle3_tensor_shapes(head.config), dtype, include_embeddings)
 
 
 def folder_tensors(head: torch.nn.Module, names, dtype: Optional[torch.dtype] = None,
@@ -95,13 +79,9 @@ def folder_tensors(head: torch.nn.Module, names, dtype: Optional[torch.dtype] = 
     return out
 
 
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    return [2, num_layers // 2, num_layers - 3]
-
-
 def rope_theta(config) -> float:
     rope = getattr(config, "rope_parameters", None) or {}
-    return float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    return float(rope.get("rope_theta", getattr(config, "rope_theta", DEFAULT_ROPE_THETA)))
 
 
 def llama_layer_config(config, dtype: Optional[torch.dtype] = None) -> dict:
@@ -133,9 +113,10 @@ def llama_layer_config(config, dtype: Optional[torch.dtype] = None) -> dict:
     return fields
 
 
-def eagle3_config_json(config, manifest_target: Optional[dict] = None,
+def eagle3_architecture_config(config, manifest_target: Optional[dict] = None,
                        dtype: Optional[torch.dtype] = None) -> dict:
-    """config.json of the EAGLE-3 folder (vLLM `LlamaForCausalLMEagle3`, SGLang `LlamaForCausalLMEagle3`)."""
+    """config.json of vLLM's and SGLang's `LlamaForCausalLMEagle3` architecture (the EAGLE-3 folder; P-EAGLE's parallel
+    drafting folder adds its fields to it)."""
     out = {
         "architectures": [EAGLE3_ARCHITECTURE],
         **llama_layer_config(config, dtype),
@@ -165,31 +146,67 @@ def explicit_aux_layer_ids(manifest_target: Optional[dict]) -> Optional[list[int
     return aux
 
 
+def speculators_fields(config, architecture: str, model_type: str, layer: dict, verifier: Optional[str],
+                       speculative_tokens: int, manifest_target: Optional[dict], dtype: torch.dtype,
+                       embed_requires_grad: bool, extra: Optional[dict] = None) -> dict:
+    """config.json of the speculators format for our layer (no extra norms, raw-h residual): what every method's
+    speculators folder shares; `extra` (e.g. P-EAGLE's mask_token_id) follows the aux-layer ids."""
+    aux = (manifest_target or {}).get("aux_layer_ids")
+    num_layers = (manifest_target or {}).get("num_layers")
+    if aux is None and num_layers is not None:
+        aux = default_aux_layer_ids(int(num_layers))
+    target_hidden = getattr(config, "target_hidden_size", None)
+    return {
+        "architectures": [architecture],
+        "speculators_model_type": model_type,
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": target_hidden if target_hidden and target_hidden != config.hidden_size else None,
+        # speculators uses HF hidden_states indices, as we do (2, N//2, N-3 by default)
+        "eagle_aux_hidden_state_layer_ids": [int(i) for i in aux] if aux is not None else None,
+        **(extra or {}),
+        # What our layer does: residual = un-normed h, no norm on the fused features, pre-norm h fed back.
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "embed_requires_grad": bool(embed_requires_grad),
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "speculators_config": speculators_config(model_type, verifier, speculative_tokens),
+    }
+
+
+def speculators_config(algorithm: str, verifier: Optional[str], speculative_tokens: int) -> dict:
+    """The `speculators_config` block: the greedy proposal of `speculative_tokens` and the verifier."""
+    return {
+        "algorithm": algorithm,
+        "proposal_methods": [{
+            "proposal_type": "greedy",
+            "speculative_tokens": int(speculative_tokens),
+            "verifier_accept_k": 1,
+            "accept_tolerance": 0.0,
+        }],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": verifier, "architectures": verifier_architectures(verifier)},
+    }
+
+
+def verifier_architectures(verifier: Optional[str]) -> list[str]:
+    """The verifier's `architectures`, read from its config.json when it is a local folder."""
+    path = Path(verifier) / CONFIG if verifier else None
+    if path is not None and path.is_file():
+        return list(json.loads(path.read_text()).get("architectures") or [])
+    return []
+
+
 # ---------------------------------------------------------------------------------------------
 # Atomic folders
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: Optional[dict] = None) -> None:
     save_file(tensors, str(path), metadata={"format": "pt", **(metadata or {})})
-
-
-# ---------------------------------------------------------------------------------------------
-# Save / load
-
-
-def save_eagle3(head: Eagle3Head, folder: str | os.PathLike, manifest_target: dict | None = None,
-                extra_config: dict | None = None, *, include_embeddings: bool = True,
-                dtype: Optional[torch.dtype] = None, stage: str = "train") -> Path:
-    """Write the EAGLE-3 folder vLLM and SGLang load (atomically) and return its path.
-
-    `manifest_target` (a `Target.identity()`) adds manifest.json and, when not the default,
-    the aux-layer ids; `extra_config` adds keys to config.json; `dtype` casts the float tensors.
-    """
-    folder = Path(folder)
-    tensors = head_tensors(head, dtype, include_embeddings)
-    config = eagle3_config_json(head.config, manifest_target, dtype or head.fc.weight.dtype)
-    config.update(extra_config or {})
-    return write_head_folder(folder, tensors, config, head.config.draft_vocab_size, manifest_target, stage, "eagle3")
 
 
 def write_head_folder(folder: Path, tensors: dict, config: dict, draft_vocab_size: int,
@@ -212,6 +229,10 @@ def write_head_folder(folder: Path, tensors: dict, config: dict, draft_vocab_siz
     return folder
 
 
+# ---------------------------------------------------------------------------------------------
+# Load
+
+
 def read_config_json(folder: Path) -> dict:
     path = folder / CONFIG
     if not path.is_file():
@@ -223,7 +244,7 @@ def read_config_json(folder: Path) -> dict:
 
 
 def config_from_json(config: dict, where: Path):
-    """Rebuild the head's LlamaConfig from an EAGLE-3 config.json."""
+    """Rebuild a head's LlamaConfig from a config.json of vLLM's EAGLE-3 architecture (EAGLE-3 and P-EAGLE folders)."""
     if EAGLE3_ARCHITECTURE not in (config.get("architectures") or []):
         raise DraftsmithError(f"{where} declares architectures {config.get('architectures')!r}, "
                               f"not [{EAGLE3_ARCHITECTURE!r}].")
@@ -235,9 +256,9 @@ def config_from_json(config: dict, where: Path):
     fields = {k: config[k] for k in required}
     fields["head_dim"] = config.get("head_dim")
     fields["hidden_act"] = config.get("hidden_act", "silu")
-    rope = config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config.get("rope_theta", 10000.0)}
+    rope = config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config.get("rope_theta", DEFAULT_ROPE_THETA)}
     fields["rope_parameters"] = rope
-    llama = eagle3_config_from_target(types.SimpleNamespace(**fields), config["draft_vocab_size"])
+    llama = draft_config_from_target(types.SimpleNamespace(**fields), config["draft_vocab_size"])
     llama.target_hidden_size = config.get("target_hidden_size") or config["hidden_size"]
     return llama
 
@@ -310,25 +331,15 @@ def read_checked_tensors(path: Path, expected: dict[str, tuple[int, ...]], optio
     return tensors
 
 
-def keep_rope_fp32(head: Eagle3Head, inv_freq: torch.Tensor) -> None:
+def keep_rope_fp32(head: torch.nn.Module, inv_freq: torch.Tensor) -> None:
     """Casting the head to bf16 also rounds the rotary frequencies; put the fp32 ones back."""
     head.rotary_emb.inv_freq = inv_freq.to(head.rotary_emb.inv_freq.device)
     head.rotary_emb.original_inv_freq = inv_freq.clone().to(head.rotary_emb.inv_freq.device)
 
 
-def load_eagle3(folder: str | os.PathLike, device="cpu", dtype: Optional[torch.dtype] = None,
-                target_embeddings: torch.Tensor | torch.nn.Embedding | None = None) -> Eagle3Head:
-    """Load an EAGLE-3 folder written by `save_eagle3` (or any engine-format EAGLE-3 folder).
-
-    Every tensor's name, shape and dtype is checked. A folder without `embed_tokens.weight`
-    needs the target's embeddings as `target_embeddings` (V, H). `dtype` None keeps the file's.
-    """
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise DraftsmithError(f"head folder {folder} does not exist.")
-    config = config_from_json(read_config_json(folder), folder / CONFIG)
-    expected = eagle3_tensor_shapes(config)
-    tensors = read_checked_tensors(folder / WEIGHTS, expected, optional=(EMBED,))
+def with_target_embeddings(tensors: dict, expected: dict, folder: Path,
+                           target_embeddings: torch.Tensor | torch.nn.Embedding | None) -> dict:
+    """`tensors` with embed_tokens from `target_embeddings` when the folder has none (checked against its shape)."""
     if EMBED not in tensors:
         if target_embeddings is None:
             raise DraftsmithError(f"{folder / WEIGHTS} has no {EMBED!r}: pass the target's embeddings "
@@ -338,20 +349,77 @@ def load_eagle3(folder: str | os.PathLike, device="cpu", dtype: Optional[torch.d
             raise DraftsmithError(f"target_embeddings has shape {tuple(weight.shape)}, "
                                   f"expected {expected[EMBED]} for {folder}.")
         tensors[EMBED] = weight.to("cpu", tensors["fc.weight"].dtype)
-    head = Eagle3Head(config)
+    return tensors
+
+
+def build_head(cls, config, tensors: dict, device="cpu", dtype: Optional[torch.dtype] = None):
+    """`cls(config)` holding `tensors` (strict), moved to device / dtype with its rotary frequencies kept fp32."""
+    head = cls(config)
     inv_freq = head.rotary_emb.inv_freq.clone()
     head.to(tensors["fc.weight"].dtype)
     head.load_state_dict(tensors, strict=True)
     head.to(device=device, dtype=dtype)
     keep_rope_fp32(head, inv_freq)
-    head.embed_tokens.weight.requires_grad_(False)
     return head
+
+
+def target_load_options(folder: Path, target) -> dict:
+    """load_<method>(folder, **options) for a head read beside `target` (None: as saved): the target's device,
+    dtype and embeddings, once the head is proven made for this target's width."""
+    if target is None:
+        return {}
+    config = read_config_json(folder)
+    hidden = config.get("target_hidden_size") or config.get("hidden_size")
+    if hidden != target.hidden_size:
+        raise DraftsmithError(f"head {folder} reads target hidden size {hidden}, but target {target.target_id!r} "
+                              f"has {target.hidden_size}: it was made for another target.")
+    return {"device": target.device, "dtype": target.dtype, "target_embeddings": target.model.get_input_embeddings()}
+
+
+def export_verifier(options, manifest_target: Optional[dict]) -> Optional[str]:
+    """The verifier a speculators export names: export's `verifier=`, else the target id in the head's manifest."""
+    return options.verifier or (manifest_target or {}).get("target_id")
+
+
+# The method table's folder hooks (draftsmith.methods) over a method's own loader and writers
+Loader = Callable[[Path, Any], torch.nn.Module]  # (folder, target | None) -> drafter
+Saver = Callable[[torch.nn.Module, Path, dict], Path]  # (drafter, folder, target identity) -> folder
+FormatWriter = Callable[[torch.nn.Module, Path, Optional[dict], Any], Path]  # (drafter, out, manifest target, options)
+
+
+def folder_hooks(load_folder: Callable[..., torch.nn.Module], save_folder: Callable[..., Path]) -> tuple[Loader, Saver]:
+    """The `load` and `save` hooks over a method's `load_folder(folder, device=, dtype=, target_embeddings=)` and
+    `save_folder(head, folder, manifest_target=)`: beside a target, a head is checked against it and placed as it is."""
+    def load(folder: Path, target=None) -> torch.nn.Module:
+        return load_folder(folder, **target_load_options(folder, target))
+
+    def save(head: torch.nn.Module, folder: Path, identity: dict) -> Path:
+        return save_folder(head, folder, manifest_target=identity)
+
+    return load, save
+
+
+def export_writer(save_folder: Callable[..., Path]) -> FormatWriter:
+    """A format writer over `save_folder(head, folder, manifest_target=, dtype=, include_embeddings=, stage=)`."""
+    def write(head: torch.nn.Module, folder: Path, manifest_target: Optional[dict], options) -> Path:
+        return save_folder(head, folder, manifest_target=manifest_target, dtype=options.dtype,
+                           include_embeddings=options.include_embeddings, stage="export")
+
+    return write
+
+
+def speculators_writer(save_speculators: Callable[..., Path]) -> FormatWriter:
+    """The speculators format writer over `save_speculators(head, folder, verifier=, speculative_tokens=, ...)`."""
+    def write(head: torch.nn.Module, folder: Path, manifest_target: Optional[dict], options) -> Path:
+        return save_speculators(head, folder, verifier=export_verifier(options, manifest_target),
+                                speculative_tokens=options.speculative_tokens, manifest_target=manifest_target,
+                                dtype=options.dtype, include_embeddings=options.include_embeddings)
+
+    return write
 
 
 def weights_sha256(folder: str | os.PathLike) -> str:
     """SHA-256 of the folder's model.safetensors bytes: what eval reports and publish matches a head by."""
-    import hashlib
-
     digest = hashlib.sha256()
     with open(check_weights_file(Path(folder) / WEIGHTS), "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

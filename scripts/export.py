@@ -2,7 +2,7 @@
 
 The head folder's method (draftsmith.methods, by its config.json `architectures`) loads it and
 names its formats, e.g. for EAGLE-3 heads `format=eagle3` (the folder vLLM and SGLang load,
-heads/checkpoint.py) and `format=speculators` (vLLM's speculators format, heads/speculators.py).
+heads/eagle3_folders.py) and `format=speculators` (vLLM's speculators format, the same file).
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from typing import Optional
 import torch
 from omegaconf.errors import MissingMandatoryValue
 
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, checks
 from draftsmith.artifacts import MANIFEST, claim_output, owns, prepare_output, read_manifest
-from draftsmith.data_gen.target import torch_dtype
-from draftsmith.heads.checkpoint import CONFIG
+from draftsmith.data_gen.target import DTYPES, torch_dtype
+from draftsmith.heads.folders import CONFIG, SERVING_K
+from draftsmith.methods import export_formats, method_for_folder
 
 
 @dataclass
@@ -27,19 +28,14 @@ class ExportConfig:
     out: Optional[str] = None  # output folder; default: beside the head, `<head>-<format>`
     # speculators: the verifier's HF id or folder (default: the target id in the head's manifest)
     verifier: Optional[str] = None
-    speculative_tokens: int = 3  # speculators: the greedy proposal's default length
+    speculative_tokens: int = SERVING_K  # speculators: the greedy proposal's default length
     dtype: str = "bfloat16"  # dtype of the written weights: bfloat16 | float16 | float32
     include_embeddings: bool = True  # False: engines share the target's embeddings
     overwrite: bool = False  # true: replace an out folder that is not an earlier export (never the head's)
 
     def __post_init__(self):
-        from draftsmith import checks
-        from draftsmith.data_gen.target import DTYPES
-
         if not self.head:
             raise DraftsmithError("export.head is not set: pass head=<folder written by draftsmith train>.")
-        from draftsmith.methods import export_formats
-
         if self.format is not None:
             checks.one_of("format", self.format, export_formats())
         checks.at_least("speculative_tokens", self.speculative_tokens, 1)
@@ -61,8 +57,6 @@ def is_set(cfg, key: str) -> bool:
 
 def run(cfg) -> Path:
     """Load the head folder `cfg.head` with its method, write it to `cfg.out` in `cfg.format`, return the path."""
-    from draftsmith.methods import method_for_folder
-
     if not is_set(cfg, "head"):
         raise DraftsmithError("export.head is not set: pass head=<folder written by draftsmith train>.")
     head_dir = Path(cfg.head)

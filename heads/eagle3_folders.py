@@ -1,0 +1,147 @@
+"""The EAGLE-3 folders: the one vLLM and SGLang load as a drafter, and vLLM's speculators format.
+
+    format=eagle3       config.json: LlamaForCausalLMEagle3, 1 layer, draft_vocab_size, target-matching sizes;
+                        model.safetensors: fc, midlayer.*, norm, lm_head, d2t (int64), t2d (bool) [, embed_tokens]
+    format=speculators  config.json: Eagle3DraftModel, layers.0.* instead of midlayer.*, speculators_config with the
+                        greedy proposal and the verifier
+
+Both are written atomically (heads/folders.py `write_head_folder`); loading reads safetensors only and checks every
+tensor's name, shape and dtype.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from draftsmith import DraftsmithError
+from draftsmith.heads.eagle3 import Eagle3Head
+from draftsmith.heads.folders import (CONFIG, EAGLE3_ARCHITECTURE, EMBED, SERVING_K, WEIGHTS, build_head,
+                                      config_from_json, eagle3_architecture_config, export_writer, folder_hooks,
+                                      folder_tensors, layer_shapes, llama_layer_config, read_checked_tensors,
+                                      read_config_json, speculators_fields, speculators_writer,
+                                      with_target_embeddings, write_head_folder)
+
+SPECULATORS_ARCHITECTURE = "Eagle3DraftModel"
+ARCHITECTURES = (EAGLE3_ARCHITECTURE,)
+FOREIGN_ARCHITECTURES = {SPECULATORS_ARCHITECTURE: "the speculators format (vLLM loads it); give the EAGLE-3 folder it "
+                                                   "was exported from"}
+
+
+def eagle3_tensor_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the EAGLE-3 folder (embed_tokens included) and its shape, for `config`."""
+    H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
+    H_t = getattr(config, "target_hidden_size", None) or H
+    return {
+        "fc.weight": (H, 3 * H_t),
+        "midlayer.hidden_norm.weight": (H,),
+        **layer_shapes(config, "midlayer.", 2 * H),  # q/k/v read [embedding; hidden]
+        "norm.weight": (H,),
+        "lm_head.weight": (Vd, H),
+        "d2t": (Vd,),
+        "t2d": (V,),
+        EMBED: (V, H),
+    }
+
+
+def head_tensors(head: Eagle3Head, dtype: Optional[torch.dtype] = None,
+                 include_embeddings: bool = True) -> dict[str, torch.Tensor]:
+    """The head's tensors under the EAGLE-3 folder's names, contiguous on CPU, floats in `dtype`."""
+    return folder_tensors(head, eagle3_tensor_shapes(head.config), dtype, include_embeddings)
+
+
+# ---- format=eagle3 -----------------------------------------------------------------------------------
+
+def save_eagle3(head: Eagle3Head, folder: str | os.PathLike, manifest_target: dict | None = None,
+                extra_config: dict | None = None, *, include_embeddings: bool = True,
+                dtype: Optional[torch.dtype] = None, stage: str = "train") -> Path:
+    """Write the EAGLE-3 folder vLLM and SGLang load (atomically) and return its path.
+
+    `manifest_target` (a `Target.identity()`) adds manifest.json and, when not the default,
+    the aux-layer ids; `extra_config` adds keys to config.json; `dtype` casts the float tensors.
+    """
+    folder = Path(folder)
+    tensors = head_tensors(head, dtype, include_embeddings)
+    config = eagle3_architecture_config(head.config, manifest_target, dtype or head.fc.weight.dtype)
+    config.update(extra_config or {})
+    return write_head_folder(folder, tensors, config, head.config.draft_vocab_size, manifest_target, stage, "eagle3")
+
+
+def load_eagle3(folder: str | os.PathLike, device="cpu", dtype: Optional[torch.dtype] = None,
+                target_embeddings: torch.Tensor | torch.nn.Embedding | None = None) -> Eagle3Head:
+    """Load an EAGLE-3 folder written by `save_eagle3` (or any engine-format EAGLE-3 folder).
+
+    Every tensor's name, shape and dtype is checked. A folder without `embed_tokens.weight`
+    needs the target's embeddings as `target_embeddings` (V, H). `dtype` None keeps the file's.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DraftsmithError(f"head folder {folder} does not exist.")
+    config = config_from_json(read_config_json(folder), folder / CONFIG)
+    expected = eagle3_tensor_shapes(config)
+    tensors = read_checked_tensors(folder / WEIGHTS, expected, optional=(EMBED,))
+    head = build_head(Eagle3Head, config, with_target_embeddings(tensors, expected, folder, target_embeddings),
+                      device, dtype)
+    head.embed_tokens.weight.requires_grad_(False)
+    return head
+
+
+# ---- format=speculators -----------------------------------------------------------------------------
+
+def speculators_name(name: str) -> str:
+    """EAGLE-3 folder name -> speculators name: the decoder layer is `layers.0`, not `midlayer`."""
+    return "layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name
+
+
+def speculators_config_json(head: Eagle3Head, verifier: Optional[str], speculative_tokens: int,
+                            manifest_target: Optional[dict], dtype: torch.dtype) -> dict:
+    """config.json of the speculators format for our architecture (no extra norms, raw-h residual)."""
+    layer = llama_layer_config(head.config)
+    layer["architectures"] = ["LlamaForCausalLM"]
+    return speculators_fields(head.config, SPECULATORS_ARCHITECTURE, "eagle3", layer, verifier, speculative_tokens,
+                              manifest_target, dtype, embed_requires_grad=False)
+
+
+def save_speculators(head: Eagle3Head, folder: str | os.PathLike, verifier: Optional[str] = None,
+                     speculative_tokens: int = SERVING_K, manifest_target: dict | None = None,
+                     dtype: Optional[torch.dtype] = None, include_embeddings: bool = True) -> Path:
+    """Write the head in vLLM's speculators format (atomically) and return the folder."""
+    if speculative_tokens < 1:
+        raise DraftsmithError(f"export.speculative_tokens={speculative_tokens} must be at least 1.")
+    folder = Path(folder)
+    dtype = dtype or head.fc.weight.dtype
+    tensors = {speculators_name(n): t for n, t in head_tensors(head, dtype, include_embeddings).items()}
+    config = speculators_config_json(head, verifier, speculative_tokens, manifest_target, dtype)
+    return write_head_folder(folder, tensors, config, head.config.draft_vocab_size, manifest_target, "export",
+                             "speculators")
+
+
+# ---- the method table's hooks (draftsmith.methods) --------------------------------------------------
+
+load, save = folder_hooks(load_eagle3, save_eagle3)
+FORMATS = {"eagle3": export_writer(save_eagle3), "speculators": speculators_writer(save_speculators)}
+
+
+def card(options: dict, formats: list[str], commands: dict) -> dict:
+    """EAGLE-3's parts of the card: what it is, tags, serving commands, files (`options`: the training run's method
+    options; `commands`: the engines' serving commands)."""
+    commands = dict(commands)
+    if formats[0] != "eagle3":
+        del commands["sglang"]  # SGLang loads only the EAGLE-3 folder format
+    return {
+        "title": "An EAGLE-3 draft head",
+        "method": ("EAGLE-3: one Llama decoder layer fed by the target's hidden states from three layers (low, "
+                   "middle, high), fused by a linear layer, trained with the training-time test (the head's own "
+                   f"outputs fed back for {options.get('ttt_steps', 7)} steps, loss weights "
+                   f"{options.get('ttt_decay', 0.8)}^i) on the target's own answers. It drafts over a reduced "
+                   "vocabulary mapped to the target's by `d2t` / `t2d`."),
+        "tags": ["eagle3", "speculative-decoding", "draft-model", "draftsmith", "vllm"]
+                + (["sglang"] if formats[0] == "eagle3" else []) + (["speculators"] if "speculators" in formats else []),
+        "commands": commands,
+        "no_sglang": "SGLang loads the EAGLE-3 format: publish with formats=[eagle3,...] to serve this head there.",
+        "files": {"eagle3": "vLLM `LlamaForCausalLMEagle3`, SGLang", "speculators": "vLLM `Eagle3DraftModel`, speculators_config"},
+        "draft_vocab_size": options.get("draft_vocab_size"),
+    }

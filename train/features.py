@@ -1,0 +1,105 @@
+"""What feature-fed training steps read of the target, shared by the methods (EAGLE-3, P-EAGLE): the target's
+distributions over the draft vocab (`TargetHead` -> `TargetSide`), the `prepare(batch)` that adds them and the
+features, and the draft vocab map (built once from the training rows, or the checkpoint's on resume)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.heads.vocab import build_vocab_map, count_tokens
+
+
+@dataclass
+class TargetSide:
+    """What the loss needs from the target, computed once per batch under no_grad."""
+
+    probs: torch.Tensor  # (B, T, Vd) target probabilities over the draft vocab, renormalised
+    in_mass: torch.Tensor  # (B, T) the target's full-vocab probability mass on the draft vocab
+    argmax: torch.Tensor  # (B, T) the target's argmax (target ids)
+    argmax_in_draft: torch.Tensor  # (B, T) bool
+
+
+class TargetHead:
+    """The frozen target lm_head split into draft-vocab rows and the rest (never trained, never wrapped).
+
+    Target logits over the draft vocab come from the draft rows only; the rest is used just for
+    the full-vocab argmax and normaliser, so no full-vocab tensor survives this call. When data-gen
+    stored those two per position (`top`, `lse`: data_gen/capture.py), the rest is not multiplied at all.
+    """
+
+    def __init__(self, lm_head_weight: torch.Tensor, t2d: torch.Tensor):
+        t2d = t2d.to(lm_head_weight.device)
+        self.draft_ids = torch.nonzero(t2d).squeeze(1)  # (Vd,) target ids, ascending
+        self.rest_ids = torch.nonzero(~t2d).squeeze(1)
+        self.w_draft = lm_head_weight[self.draft_ids].detach()  # (Vd, H)
+        self.w_rest = lm_head_weight[self.rest_ids].detach()  # (V - Vd, H)
+
+    @torch.no_grad()
+    def __call__(self, last_hidden: torch.Tensor, rows: Optional[torch.Tensor] = None,
+                 top: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None) -> TargetSide:
+        """last_hidden (B, T, H): the target's post-final-norm hidden state. `rows` (B, T) bool: compute only
+        these positions (the losses read no other); the others are left zero (argmax 0, not in the draft vocab).
+        top / lse (B, T): the target's full-vocab argmax and logsumexp, when stored."""
+        if rows is not None:
+            part = self(last_hidden[rows], None, *((top[rows], lse[rows]) if top is not None else ()))
+            B, T = rows.shape
+            probs = part.probs.new_zeros(B, T, part.probs.shape[-1])
+            in_mass, argmax = part.in_mass.new_zeros(B, T), part.argmax.new_zeros(B, T)
+            in_draft = part.argmax_in_draft.new_zeros(B, T)
+            probs[rows], in_mass[rows], argmax[rows], in_draft[rows] = (part.probs, part.in_mass, part.argmax,
+                                                                         part.argmax_in_draft)
+            return TargetSide(probs, in_mass, argmax, in_draft)
+        x = last_hidden.to(self.w_draft.dtype)
+        draft_logits = (x @ self.w_draft.T).float()  # (B, T, Vd)
+        lse_draft = torch.logsumexp(draft_logits, dim=-1)
+        probs = torch.softmax(draft_logits, dim=-1)
+        if top is not None:  # stored: from the unrounded hidden state, so the draft part's mass is capped at 1
+            in_draft = torch.isin(top, self.draft_ids)
+            return TargetSide(probs, torch.exp(lse_draft - lse.float()).clamp(max=1.0), top.long(), in_draft)
+        best_draft, best_draft_i = draft_logits.max(dim=-1)
+        if self.rest_ids.numel():
+            rest_logits = (x @ self.w_rest.T).float()  # (B, T, V - Vd)
+            lse_full = torch.logaddexp(lse_draft, torch.logsumexp(rest_logits, dim=-1))
+            best_rest, best_rest_i = rest_logits.max(dim=-1)
+            in_draft = best_draft >= best_rest
+            argmax = torch.where(in_draft, self.draft_ids[best_draft_i], self.rest_ids[best_rest_i])
+        else:
+            lse_full, in_draft, argmax = lse_draft, torch.ones_like(lse_draft, dtype=torch.bool), self.draft_ids[best_draft_i]
+        return TargetSide(probs, torch.exp(lse_draft - lse_full), argmax, in_draft)
+
+
+def vocab_map_for(target, draft_vocab_size: int, train, resume: Optional[Path]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d): from the training rows' assistant tokens, or on resume the checkpoint's (never rebuilt)."""
+    if resume is not None:
+        saved = load_file(str(resume / "head.safetensors"))
+        return saved["d2t"], saved["t2d"]
+    rows = train.indices
+    counts = count_tokens((train.input_ids[i] for i in rows), (train.loss_mask[i] for i in rows), target.vocab_size)
+    return build_vocab_map(counts, min(draft_vocab_size, target.vocab_size))
+
+
+def target_prepare(t2d: torch.Tensor, target, mode: str, autocast: Callable) -> Callable[[dict], dict]:
+    """`prepare(batch)` adding `aux` (online: the target runs; offline: the batch's) and the TargetSide over
+    the draft vocab `t2d`; shared by the methods that read the target's features."""
+    target_head = TargetHead(target.model.get_output_embeddings().weight, t2d)
+    features = target.features if mode == "online" else None  # offline keeps only target_head
+
+    def prepare(batch: dict) -> dict:
+        with torch.no_grad():
+            if features is not None:
+                with autocast():
+                    aux, last = features(batch["input_ids"], batch["attention_mask"])
+            else:
+                aux, last = batch.pop("aux"), batch.pop("last")
+            batch.pop("last", None)
+            stored = (batch.pop("target_top", None), batch.pop("target_lse", None))  # offline, when data-gen stored them
+            # (online batches carry neither: (None, None) = recompute from the full lm_head)
+            counted = batch["loss_mask"].bool() & batch["attention_mask"].bool()  # the only positions a loss reads
+            return {**batch, "aux": aux, "target": target_head(last, counted, *stored)}
+
+    return prepare
