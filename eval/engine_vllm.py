@@ -39,11 +39,8 @@ KV_CACHE_BYTES = 512 << 20  # vLLM's KV cache for one sequence at a time (its de
 # --------------------------------------------------------------------------- the job
 
 def served_target(target) -> str:
-    """What vLLM loads as the target: the HF folder draftsmith loaded (a GGUF's cached safetensors copy), or its id."""
-    name = str(getattr(target.model, "name_or_path", "") or target.target_id)
-    if Path(name).is_dir() and not (Path(name) / "config.json").is_file():
-        raise DraftsmithError(f"engine=vllm: the target folder {name} has no config.json for vLLM to load.")
-    return name
+    """What vLLM loads as the target (the HF folder draftsmith loaded, a GGUF's cached safetensors copy, or its id)."""
+    return engine.served_folder(target, "engine=vllm")
 
 
 def speculative_config(method: str, head: Optional[str], k: int, ngram_min: int = 1, ngram_max: int = 3) -> dict:
