@@ -96,3 +96,13 @@ def test_cli_errors_are_one_sentence_and_exit_2(head_folder, tmp_path, capsys, o
     err = capsys.readouterr().err.strip()
     assert words in err and len(err.splitlines()) == 1
     assert not out.exists()
+
+
+def test_speculators_verifier_of_a_preset_target_is_one_vllm_can_load(capsys):
+    # vLLM serves a speculators folder as the model and loads the verifier by name: "smollm2" would not load
+    from draftsmith.heads.export import default_verifier
+
+    assert default_verifier("smollm2") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert "not the dequantised GGUF" in capsys.readouterr().err
+    assert default_verifier("tiny") == "tiny" and "vLLM cannot load" in capsys.readouterr().err
+    assert default_verifier("/models/llama") == "/models/llama" and capsys.readouterr().err == ""
