@@ -198,17 +198,6 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "
              "Name three primary colours.", "How do I boil an egg?", "What is 12 times 7?"]
 
 
-@pytest.fixture
-def engine_ready():
-    """The engine's python, or a skip (locally) / a failure (DRAFTSMITH_REQUIRE_ENGINE=1)."""
-    missing = engine.engine_missing()
-    if missing:
-        if engine.engine_required():
-            pytest.fail(f"{missing}; the engine tests must run here ({engine.REQUIRE_ENV}=1)")
-        pytest.skip(missing)
-    return engine.engine_python()
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_vllm_answers_equal_hf_answers_greedy_fp32(engine_ready, compose_cfg, tmp_path, request):
