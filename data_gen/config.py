@@ -99,8 +99,10 @@ class PromptsConfig(PromptSetConfig):
 
 @dataclass
 class BackendConfig:
-    kind: str = "hf"  # hf (batched, built in) | openai (any OpenAI-compatible server: vllm serve, SGLang)
-    batch_size: int = 16  # hf: conversations decoded together (rows of the static KV cache)
+    # hf (batched, built in) | openai (any OpenAI-compatible server: vllm serve, SGLang) | vllm (vLLM in-process,
+    # in its venv: bash scripts/setup.sh --engine)
+    kind: str = "hf"
+    batch_size: int = 16  # hf: conversations decoded together (rows of the static KV cache); vllm: max_num_seqs
     url: str = "http://127.0.0.1:8000/v1"  # openai: the server's base URL
     model: Optional[str] = None  # served model name for the openai backend
     concurrency: int = 8  # openai: requests in flight
@@ -115,7 +117,7 @@ class BackendConfig:
     prune_finished: bool = True
 
     def __post_init__(self):
-        checks.one_of("backend.kind", self.kind, ("hf", "openai"))
+        checks.one_of("backend.kind", self.kind, ("hf", "openai", "vllm"))
         checks.at_least("backend.batch_size", self.batch_size, 1)
         checks.at_least("backend.concurrency", self.concurrency, 1)
         checks.positive("backend.timeout_s", self.timeout_s)

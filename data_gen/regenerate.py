@@ -10,8 +10,13 @@ Backends (looked up in BACKENDS):
   openai  any OpenAI-compatible server (`vllm serve`, SGLang): POST /v1/chat/completions with
           bounded concurrency; 429 / 408 / 5xx / dropped connections / timeouts are retried with
           backoff (backend.retries, backend.backoff_s, backend.backoff_max_s; draftsmith.retry).
-A backend's `chat(conversations, seeds, done=None)` returns one answer per conversation (a `Failed`,
-or None, when it gave up: not text) and calls `done(j)` as answer j is ready, for progress.
+  vllm    vLLM in-process in its own venv (draftsmith.engine runs scripts/vllm_generate.py there): one `LLM`
+          on the target's HF folder per call, every conversation submitted at once (continuous batching).
+A backend is built as `Backend(target, cfg, params, dtype)` (dtype: the name of the target's dtype, for a
+backend that loads the target itself). Its `chat(conversations, seeds, done=None)` returns one answer per
+conversation (a `Failed`, or None, when it gave up: not text) and calls `done(j)` as answer j is ready, for
+progress. The hf and vllm backends render the chat template here (`prompt_ids`) and decode the answer tokens
+here, so both see the same prompt tokens.
 
 Sampling (draftsmith.sampling: the rule eval's decoder uses too) is reproducible per sample: each
 conversation turn draws from its own generator, seeded from (seed, sample id, turn), so the same
@@ -20,15 +25,20 @@ sample gets the same answer whatever batch or rank it lands in.
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, engine
 from draftsmith.data_gen.batching import generate_tokens
 from draftsmith.data_gen.config import BackendConfig
 from draftsmith.data_gen.tokenize import apply_chat_template
+from draftsmith.machine import dtype_name
 from draftsmith.retry import Backoff, Transient, call, retry_after_s, retryable_status
 from draftsmith.sampling import SamplingConfig, hash_seed
 
@@ -42,20 +52,117 @@ class SamplingParams(SamplingConfig):
 
 # --- backends: conversations in, assistant texts out ------------------------------------------
 
+def prompt_ids(tokenizer, conversations: list[list[dict]]) -> list[list[int]]:
+    """Each conversation rendered up to the assistant's header (the chat template) and tokenized."""
+    texts = [apply_chat_template(tokenizer, c, tokenize=False, add_generation_prompt=True) for c in conversations]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
 class HFBackend:
     """The built-in batched backend on the loaded target."""
 
-    def __init__(self, target, cfg: BackendConfig, params: SamplingParams):
-        self.target, self.cfg, self.params = target, cfg, params
+    def __init__(self, target, cfg: BackendConfig, params: SamplingParams, dtype: Optional[str] = None):
+        self.target, self.cfg, self.params = target, cfg, params  # (dtype: the loaded target's already)
 
     def chat(self, conversations: list[list[dict]], seeds: list[int], done=None) -> list[str | None]:
         """The answer to each conversation (None: failed); `done(j)` is called as answer j is ready."""
         tok = self.target.tokenizer
-        prompts = [apply_chat_template(tok, c, tokenize=False, add_generation_prompt=True) for c in conversations]
-        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        outs = generate_tokens(self.target, ids, self.params, seeds, self.cfg.batch_size,
+        outs = generate_tokens(self.target, prompt_ids(tok, conversations), self.params, seeds, self.cfg.batch_size,
                                self.cfg.prune_finished, desc="regenerate", done=done)
         return [tok.decode(o, skip_special_tokens=True) for o, _ in outs]
+
+
+GENERATE_WORKER = Path(engine.__file__).with_name("vllm_generate.py")  # run by the engine's python, never imported
+ENGINE_RUN = "generate"  # vllm_generate.py's one run in its result
+
+
+class VLLMBackend:
+    """vLLM in its own venv: one engine job per call, every conversation in it at once, `batch_size` decoded together.
+
+    The prompts are rendered and tokenized here (`prompt_ids`, as the HF backend does) and sent as token ids; the
+    answers come back as token ids and are decoded here. vLLM loads the target's HF folder (`engine.served_folder`) in the
+    target's dtype, with `max_num_seqs = backend.batch_size`, and batches continuously; each call starts the engine
+    once (tens of seconds on a CPU), so keep `regenerate_chunk` large. At temperature 0 it decodes greedily: the
+    HF backend's answers up to near-ties (fp32). Above it each request samples from vLLM's sampler with its own
+    seed (the seeds draftsmith passes): reproducible per sample, but not the HF backend's draws. Answers stop at
+    the target's EOS ids or max_new_tokens. `done(j)` is called as the engine reports answer j finished (the
+    worker appends each finished index to a file that a thread here follows).
+    """
+
+    def __init__(self, target, cfg: BackendConfig, params: SamplingParams, dtype: Optional[str] = None):
+        missing = engine.engine_missing()
+        if missing:
+            raise DraftsmithError(f"backend=vllm: {missing}.")
+        self.target, self.cfg, self.params = target, cfg, params
+        self.folder = engine.served_folder(target, "backend=vllm")
+        self.dtype = dtype or dtype_name(target.dtype)  # (without one: the loaded model's; loads it)
+        self.last_run: Optional[dict] = None  # the last job's vllm_version, seconds, load_s, warnings (benchmarks)
+
+    def chat(self, conversations: list[list[dict]], seeds: list[int], done=None) -> list[str]:
+        """The answer to each conversation; `done(j)` is called as answer j is ready."""
+        tok = self.target.tokenizer
+        outs = self.generate(prompt_ids(tok, conversations), seeds, done=done)
+        return [tok.decode(o, skip_special_tokens=True) for o in outs]
+
+    def generate(self, prompts: list[list[int]], seeds: list[int], done=None) -> list[list[int]]:
+        """Each prompt's answer tokens (its stop token included), from one engine job."""
+        if not prompts:
+            return []
+        p = self.params
+        with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-") as tmp:
+            progress = Path(tmp) / "progress"
+            job = {"target": self.folder, "dtype": self.dtype, "max_num_seqs": self.cfg.batch_size,
+                   "max_model_len": max(map(len, prompts)) + p.max_new_tokens, "prompts": prompts,
+                   "seeds": list(seeds), "greedy": p.greedy, "temperature": p.temperature, "top_p": p.top_p,
+                   "top_k": p.top_k, "max_tokens": p.max_new_tokens, "stop_token_ids": self.target.eos_token_ids,
+                   "progress": str(progress)}
+            with _following(progress, len(prompts), done):
+                # no time bound, as the hf backend has none: the engine's startup and the decoding of a whole
+                # chunk on a CPU take what they take
+                result = engine.run_job(job, timeout_s=None, worker=GENERATE_WORKER)
+                run = result["runs"].get(ENGINE_RUN) or {}
+                if not run.get("ok"):
+                    raise DraftsmithError(f"backend=vllm: vLLM could not generate with {self.folder} "
+                                          f"({run.get('error', 'no result')}).")
+        self.last_run = {"vllm_version": result["vllm_version"], **{k: v for k, v in run.items() if k != "tokens"}}
+        return run["tokens"]
+
+
+@contextmanager
+def _following(path: Path, n: int, done):
+    """Call done(j) for each index the engine appends to `path` (one a line) while the block runs, from a
+    thread here; then for those it never reported, once the block finished without an error."""
+    if done is None:
+        yield
+        return
+    seen: set[int] = set()
+    stop = threading.Event()
+
+    def report() -> None:
+        try:
+            lines = path.read_text().splitlines(keepends=True)
+        except OSError:
+            return
+        for line in lines:
+            if line.endswith("\n") and line.strip().isdigit() and int(line) not in seen and int(line) < n:
+                seen.add(int(line))
+                done(int(line))
+
+    def follow() -> None:
+        while not stop.wait(0.5):
+            report()
+
+    thread = threading.Thread(target=follow, name="vllm-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+    report()
+    for j in range(n):
+        if j not in seen:
+            done(j)
 
 
 @dataclass(frozen=True)
@@ -190,7 +297,7 @@ class OpenAIBackend:
     retried. A conversation that still fails comes back as a `Failed` (its last error), not an answer.
     """
 
-    def __init__(self, target, cfg: BackendConfig, params: SamplingParams):
+    def __init__(self, target, cfg: BackendConfig, params: SamplingParams, dtype: Optional[str] = None):
         import httpx
 
         self.cfg, self.params = cfg, params
@@ -299,13 +406,14 @@ class OpenAIBackend:
             return [f.result() for f in futures]
 
 
-BACKENDS = {"hf": HFBackend, "openai": OpenAIBackend}
+BACKENDS = {"hf": HFBackend, "openai": OpenAIBackend, "vllm": VLLMBackend}
 
 
-def make_backend(target, cfg: BackendConfig, params: SamplingParams):
+def make_backend(target, cfg: BackendConfig, params: SamplingParams, dtype: Optional[str] = None):
+    """The backend of cfg.kind; `dtype` is the name of the target's dtype (vllm loads the target in it)."""
     if cfg.kind not in BACKENDS:
         raise DraftsmithError(f"backend.kind={cfg.kind!r} is not one of {', '.join(BACKENDS)}.")
-    return BACKENDS[cfg.kind](target, cfg, params)
+    return BACKENDS[cfg.kind](target, cfg, params, dtype)
 
 
 # --- conversations ------------------------------------------------------------------------------

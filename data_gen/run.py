@@ -33,14 +33,14 @@ must be on a filesystem they all see. If the tokenized set is already finished w
 no rank regenerates or merges (every rank captures; without hidden states rank 0 writes the manifest).
 
 The target's weights are loaded the first time they are used (load_target(lazy=True)): a run with
-`backend=openai` and no hidden states reads only the tokenizer, chat template and config.
+`backend=openai` or `backend=vllm` and no hidden states reads only the tokenizer, chat template and config.
 
 Resume: a rerun redoes only what its changed settings affect (a killed run is a rerun with no change):
   regeneration   a chunk in regenerated/ is reused when its prompts and every setting that changes
                  the answers are equal: the target (weights, tokenizer, dtype), seed, temperature,
                  top_p, max_new_tokens, regenerate_chunk (the chunk bounds) and the backend (hf:
                  batch_size and prune_finished, since batch composition changes padding and so the
-                 floating-point numerics; openai: url and model, not concurrency, timeout_s or the
+                 floating-point numerics; vllm: batch_size; openai: url and model, not concurrency, timeout_s or the
                  retry settings); its failed prompts (null) are asked again, the rest reused;
   tokenization   conversations/ and tokenized/ are reused when those and max_length, on_overflow,
                  reasoning and the answer filters (filters.*, when filters.answers) are equal (key in
@@ -71,7 +71,7 @@ from draftsmith.data_gen.capture import WRITTEN as CAPTURE_FILES
 from draftsmith.data_gen.capture import capture_hidden_states, finished_shards, num_shards, write_index
 from draftsmith.data_gen.filters import filter_answers
 from draftsmith.data_gen.prompts import filter_counts_text, load_prompts
-from draftsmith.data_gen.regenerate import SamplingParams, make_backend, regenerate_all
+from draftsmith.data_gen.regenerate import BACKENDS, SamplingParams, make_backend, regenerate_all
 from draftsmith.data_gen.target import load_target, resolve_target_dtype, torch_dtype
 from draftsmith.data_gen.tokenize import tokenize_samples
 from draftsmith.data_gen.topk import WRITTEN as TOPK_FILES
@@ -137,7 +137,7 @@ def save_dataset_atomic(rows: list[dict], features, folder: Path) -> None:
 
 def check_settings(cfg) -> None:
     """Refuse settings used only after regeneration (tokenization, capture) before any work is done."""
-    choices = {"on_overflow": ("truncate", "drop"), "reasoning": ("keep", "strip"), "backend.kind": ("hf", "openai")}
+    choices = {"on_overflow": ("truncate", "drop"), "reasoning": ("keep", "strip"), "backend.kind": tuple(BACKENDS)}
     for key, allowed in choices.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
@@ -166,6 +166,8 @@ def regeneration_settings(cfg, identity: dict) -> dict:
         # `generation` names the decode loop (data_gen/batching.py: refilled rows); chunks made by
         # an earlier loop may differ by rounding, so they are regenerated rather than reused.
         settings.update(batch_size=b.batch_size, prune_finished=b.prune_finished, generation="refill-1")
+    elif b.kind == "vllm":  # max_num_seqs: which prompts share a step, as for hf
+        settings.update(batch_size=b.batch_size)
     else:
         settings.update(url=b.url, model=b.model)
     return settings
@@ -220,7 +222,8 @@ def regenerate_chunks(cfg, target, samples: list[dict], folder: Path, settings: 
     if todo:
         folder.mkdir(parents=True, exist_ok=True)
         backend = make_backend(target, cfg.backend, SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
-                                                                 max_new_tokens=cfg.max_new_tokens))
+                                                                 max_new_tokens=cfg.max_new_tokens),
+                               dtype=cfg.target.dtype)
         with progress(total=total, desc="regenerate", unit="prompt", initial=reused) as bar:
             for k, chunk, key, redo, got in todo:
                 errors: dict = {}

@@ -7,6 +7,7 @@ import os
 import platform
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 import transformers
@@ -41,6 +42,11 @@ def hardware(device: str) -> dict:
 
 def _f(x: float, digits: int = 2) -> str:
     return f"{x:.{digits}f}"
+
+
+def _opt(x: Optional[float], unit: str = "") -> str:
+    """_f, or "-" where there is no figure (a K not decoded)."""
+    return "-" if x is None else f"{_f(x)}{unit}"
 
 
 def markdown(report: dict) -> str:
@@ -170,6 +176,18 @@ def engine_lines(report: dict) -> list[str]:
         lines.append(f"| {name}{note} | yes | {_f(r['tau'], 3)} | {tb} | "
                      f"{' / '.join(_f(x, 3) for x in r['per_position_acceptance'])} | {ours} | {eq} | "
                      f"{_f(r['greedy_identical_to_engine_target_only'])} | {_f(r['speedup'])}x | {sb} |")
+    cm = e.get("cost_model")
+    if cm:
+        lines += ["", f"Cost model calibrated to vLLM ({cm['formula']}; t_step {_f(cm['t_step_s'] * 1000, 1)} ms, "
+                      f"decoded K {cm['decoded_k']}): the built-in decoder's cycle costs another share of its step "
+                      f"than vLLM's, so its own table predicts its own speedup and this one vLLM's.", "",
+                  "| K | vLLM cycle / step | built-in cycle / step | predicted tau | predicted vLLM | measured vLLM "
+                  "| measured built-in |", "|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in cm["table"]:
+            cells = [_f(r["cycle_over_step"]), _opt(r["builtin_cycle_over_step"]), _opt(r["predicted_tau"]),
+                     _opt(r["predicted_speedup"], "x"), _opt(r["measured_speedup"], "x"),
+                     _opt(r["builtin_measured_speedup"], "x")]
+            lines.append(f"| {r['k']} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -116,6 +116,17 @@ def run_job(job: dict, timeout_s: float = 3600, log_path: Optional[Path] = None,
         return result
 
 
+def served_folder(target, what: str) -> str:
+    """What vLLM loads as the target, read without loading the weights: the HF folder or hub id the target came
+    from (a GGUF target's cached safetensors copy), as its model (once loaded) or its tokenizer names it.
+    `what` names the setting that asked (engine=vllm, backend=vllm) in the refusal."""
+    name = str((target.model.name_or_path if target.model_loaded else target.tokenizer.name_or_path) or "")
+    if not name or (Path(name).is_dir() and not (Path(name) / "config.json").is_file()):
+        raise DraftsmithError(f"{what} needs a target vLLM can load (an HF folder, hub id or GGUF file); "
+                              f"target.name={target.target_id} has no folder with a config.json.")
+    return name
+
+
 MARKER = "[draftsmith-engine-run]"  # vllm_worker.py's lines around each run in the job's log
 
 

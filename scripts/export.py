@@ -7,6 +7,7 @@ heads/eagle3_folders.py) and `format=speculators` (vLLM's speculators format, th
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -16,7 +17,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 from draftsmith import DraftsmithError, checks
 from draftsmith.artifacts import MANIFEST, claim_output, owns, prepare_output, read_manifest
-from draftsmith.data_gen.target import DTYPES, torch_dtype
+from draftsmith.data_gen.target import DTYPES, KNOWN_TARGETS, PRESETS, torch_dtype
 from draftsmith.heads.folders import CONFIG, SERVING_K
 from draftsmith.methods import export_formats, method_for_folder
 
@@ -77,8 +78,27 @@ def run(cfg) -> Path:
     target = read_manifest(head_dir).get("target") if (head_dir / MANIFEST).is_file() else None
     if not owns(out, "export"):
         claim_output(out, "export")  # the atomic swap below then replaces only our own folder
-    options = ExportOptions(torch_dtype(cfg.dtype), cfg.include_embeddings, cfg.verifier, cfg.speculative_tokens)
+    verifier = cfg.verifier or (default_verifier((target or {}).get("target_id")) if fmt == "speculators" else None)
+    options = ExportOptions(torch_dtype(cfg.dtype), cfg.include_embeddings, verifier, cfg.speculative_tokens)
     return method.formats[fmt](drafter, out, target, options)
+
+
+def default_verifier(target_id: Optional[str]) -> Optional[str]:
+    """The speculators folder's verifier when export.verifier is not given: the head's target, as vLLM can load it.
+
+    vLLM serves a speculators folder as the model and loads its verifier by name, so a draftsmith preset name
+    (`smollm2`) would fail there ("Invalid repository ID or local directory"): a preset with a Hub id gets that
+    id, with a warning, since the Hub weights are not the dequantised GGUF the head was trained on."""
+    if target_id not in PRESETS:
+        return target_id
+    hub_id = KNOWN_TARGETS.get(target_id, (None,))[0]
+    if hub_id is None:
+        print(f"export: warning: the head's target is the preset {target_id!r}, which vLLM cannot load as the "
+              f"speculators verifier; pass verifier=<HF folder or hub id> to serve this folder.", file=sys.stderr)
+        return target_id
+    print(f"export: verifier={hub_id} (the Hub id of the preset {target_id!r}); its weights are not the "
+          f"dequantised GGUF the head was trained on: pass verifier=<HF folder> to serve those.", file=sys.stderr)
+    return hub_id
 
 
 def summary(path: Path) -> str:

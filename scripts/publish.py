@@ -335,6 +335,10 @@ def build_card(cfg, base_model: str, license: str, report: Optional[dict], summa
             f"{parts['title']} for [{base_model}](https://huggingface.co/{base_model}): it proposes tokens that "
             f"the target verifies, so outputs are the target's own (lossless); it only changes speed.", "",
             "## Serve it", "", "vLLM:", "", "```bash", commands["vllm"], "```", ""]
+    if '"parallel_drafting": true' in commands["vllm"]:  # the folder's own flag is not read (vLLM 0.32)
+        body += ['Keep `"parallel_drafting": true` in `--speculative-config`: vLLM ignores the flag in this '
+                 "folder's config.json and, without it, drafts one token per forward, saying only \"mask_hidden "
+                 "found in weights but model is not configured for parallel drafting\".", ""]
     if "sglang" in commands:
         body += ["SGLang:", "", "```bash", commands["sglang"], "```", ""]
     else:

@@ -35,3 +35,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def engine_ready():
+    """The engine's python (vLLM for CPU in .venv-vllm), or a skip that says how to install it; where
+    DRAFTSMITH_REQUIRE_ENGINE=1 (CI) a missing engine fails instead, so the engine tests are never silently green."""
+    from draftsmith import engine
+
+    missing = engine.engine_missing()
+    if missing:
+        if engine.engine_required():
+            pytest.fail(f"{missing}; the engine tests must run here ({engine.REQUIRE_ENV}=1)")
+        pytest.skip(missing)
+    return engine.engine_python()

@@ -49,17 +49,6 @@ BROKEN = {"eagle3_d2t_zeroed": "eagle3", "eagle3_norm_before_residual_flipped": 
           "peagle_mask_token_wrong": "peagle"}
 
 
-@pytest.fixture(scope="module")
-def engine_ready():
-    """The engine's python, or a skip (locally) / a failure (CI) that says how to install it."""
-    missing = engine.engine_missing()
-    if missing:
-        if engine.engine_required():
-            pytest.fail(f"{missing}; the engine tests must run here ({engine.REQUIRE_ENV}=1)")
-        pytest.skip(missing)
-    return engine.engine_python()
-
-
 # --------------------------------------------------------------------------- the exports
 
 def edited_copy(src: Path, dst: Path, config: dict | None = None, drop: tuple[str, ...] = (),

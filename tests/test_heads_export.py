@@ -10,7 +10,7 @@ from safetensors import safe_open
 from test_heads_checkpoint import EXPECTED_NAMES, logits_of, random_head, random_inputs
 
 from draftsmith.cli import main
-from draftsmith.export import ExportConfig, run
+from draftsmith.export import ExportConfig, default_verifier, run
 from draftsmith.heads.eagle3_folders import load_eagle3, save_eagle3
 from draftsmith.heads.eagle3_folders import speculators_name
 
@@ -96,3 +96,12 @@ def test_cli_errors_are_one_sentence_and_exit_2(head_folder, tmp_path, capsys, o
     err = capsys.readouterr().err.strip()
     assert words in err and len(err.splitlines()) == 1
     assert not out.exists()
+
+
+def test_speculators_verifier_of_a_preset_target_is_one_vllm_can_load(capsys):
+    # vLLM serves a speculators folder as the model and loads the verifier by name: "smollm2" would not load
+
+    assert default_verifier("smollm2") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert "not the dequantised GGUF" in capsys.readouterr().err
+    assert default_verifier("tiny") == "tiny" and "vLLM cannot load" in capsys.readouterr().err
+    assert default_verifier("/models/llama") == "/models/llama" and capsys.readouterr().err == ""

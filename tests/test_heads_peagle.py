@@ -219,4 +219,5 @@ def test_publish_dry_run_writes_both_formats_and_a_parallel_drafting_card(tiny_t
     assert json.loads((hub / "speculators" / "config.json").read_text())["speculators_model_type"] == "peagle"
     card = ModelCard.load(hub / "README.md")
     assert "P-EAGLE" in card.text and '"parallel_drafting": true' in card.text
+    assert "vLLM ignores the flag in this folder's config.json" in card.text  # the sequential fallback, said
     assert "peagle" in card.data.tags

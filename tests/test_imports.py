@@ -32,6 +32,7 @@ OPTIONAL = {
 LATE_OK = {
     "draftsmith.cli": "procenv.share_cores() must run before anything imports torch (OpenMP reads it at load)",
     "draftsmith.vllm_worker": "run by path in vLLM's own venv: the standard library and vLLM only",
+    "draftsmith.vllm_generate": "run by path in vLLM's own venv: the standard library and vLLM only",
 }
 
 
