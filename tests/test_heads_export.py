@@ -100,7 +100,6 @@ def test_cli_errors_are_one_sentence_and_exit_2(head_folder, tmp_path, capsys, o
 
 def test_speculators_verifier_of_a_preset_target_is_one_vllm_can_load(capsys):
     # vLLM serves a speculators folder as the model and loads the verifier by name: "smollm2" would not load
-
     assert default_verifier("smollm2") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert "not the dequantised GGUF" in capsys.readouterr().err
     assert default_verifier("tiny") == "tiny" and "vLLM cannot load" in capsys.readouterr().err
