@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.artifacts import atomic_write_json
 from draftsmith.machine import machine_info
 from draftsmith.data_gen.batching import generate_tokens
 from draftsmith.data_gen.capture import capture_hidden_states
@@ -175,10 +176,8 @@ def main() -> None:
     results["load_average_at_end"] = os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
     results["machine"] = machine_info()  # CPU kind, vector features, bf16, threads: beside every figure
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
-    tmp.replace(out)
+    atomic_write_json(out, results)
     print(json.dumps(results, indent=2))
 
 

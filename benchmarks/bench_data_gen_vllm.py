@@ -30,6 +30,7 @@ from draftsmith.data_gen.config import BackendConfig, PromptsConfig
 from draftsmith.data_gen.prompts import load_prompts
 from draftsmith.data_gen.regenerate import SamplingParams, VLLMBackend, prompt_ids
 from draftsmith.data_gen.target import TargetConfig, load_target
+from draftsmith.artifacts import atomic_write_json
 from draftsmith.machine import machine_info
 
 
@@ -91,10 +92,8 @@ def main() -> None:
     results["load_average_at_end"] = os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
     results["machine"] = machine_info()  # CPU kind, vector features, bf16, threads: beside every figure
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
-    tmp.replace(out)
+    atomic_write_json(out, results)
     print(json.dumps(results, indent=2))
 
 
