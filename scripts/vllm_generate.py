@@ -19,13 +19,12 @@ sampler). As each request finishes, its index is appended to the job's `progress
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import time
 import traceback
 
-from vllm_worker import LogLines, marker, one_line, shutdown
+from vllm_worker import LogLines, marker, one_line, shutdown, start
 
 RUN = "generate"
 KV_CACHE_MAX_BYTES = 4 << 30  # on CPU: at most this much KV cache (vLLM waits or preempts when it is full)
@@ -135,21 +134,15 @@ def run(job: dict, log: LogLines) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    job_path, result_path = argv[1], argv[2]
-    with open(job_path) as f:
-        job = json.load(f)
-    log = LogLines()
-    logging.getLogger("vllm").addHandler(log)
-    import torch
-    import vllm
-
+    job, log, versions = start(argv[1])
+    result_path = argv[2]
     marker(RUN, "begin")  # draftsmith.engine attaches the lines of vLLM's processes in between to the run
     try:
         outcome = run(job, log)
     finally:
         marker(RUN, "end")
     with open(result_path, "w") as f:
-        json.dump({"vllm_version": vllm.__version__, "torch_version": torch.__version__, "runs": {RUN: outcome}}, f)
+        json.dump({**versions, "runs": {RUN: outcome}}, f)
     return 0
 
 

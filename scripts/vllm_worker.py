@@ -185,8 +185,9 @@ def shutdown(llm) -> None:
     gc.collect()
 
 
-def main(argv: list[str]) -> int:
-    job_path, result_path = argv[1], argv[2]
+def start(job_path: str) -> tuple[dict, LogLines, dict]:
+    """A worker's start: the job, a handler keeping vLLM's warning lines from here on, and the versions of
+    vLLM and torch (imported only now, after the handler: vLLM logs while it imports)."""
     with open(job_path) as f:
         job = json.load(f)
     log = LogLines()
@@ -194,7 +195,13 @@ def main(argv: list[str]) -> int:
     import torch
     import vllm
 
-    result = {"vllm_version": vllm.__version__, "torch_version": torch.__version__, "runs": {}}
+    return job, log, {"vllm_version": vllm.__version__, "torch_version": torch.__version__}
+
+
+def main(argv: list[str]) -> int:
+    job, log, versions = start(argv[1])
+    result_path = argv[2]
+    result = {**versions, "runs": {}}
     for run in job["runs"]:
         result["runs"][run["name"]] = run_one(job, run, log)
         with open(result_path, "w") as f:  # after every run: a crash later keeps what was measured
