@@ -173,8 +173,13 @@ def main() -> None:
         (d1, a1), (d2, a2) = answers.items()
         results[f"{d2}_vs_{d1}_answers"] = compare_answers(a1, a2)
         print(f"\n{d2} vs {d1} greedy answers: " + json.dumps(results[f"{d2}_vs_{d1}_answers"]), file=sys.stderr)
+    write_results(args.out, results)
+
+
+def write_results(path: str, results: dict) -> None:
+    """The load at the end and the machine beside the figures, written atomically to `path`, and printed."""
     results["load_average_at_end"] = os.getloadavg()
-    out = Path(args.out)
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     results["machine"] = machine_info()  # CPU kind, vector features, bf16, threads: beside every figure
     atomic_write_json(out, results)

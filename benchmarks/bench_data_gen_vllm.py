@@ -16,22 +16,18 @@ fastest of each is kept. The greedy answers are compared too (identical count, f
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from bench_data_gen import SPEC_BENCH, compare_answers, rate, useful
+from bench_data_gen import SPEC_BENCH, compare_answers, rate, useful, write_results
 from draftsmith.data_gen.batching import generate_tokens
 from draftsmith.data_gen.config import BackendConfig, PromptsConfig
 from draftsmith.data_gen.prompts import load_prompts
 from draftsmith.data_gen.regenerate import SamplingParams, VLLMBackend, prompt_ids
 from draftsmith.data_gen.target import TargetConfig, load_target
-from draftsmith.artifacts import atomic_write_json
-from draftsmith.machine import machine_info
 
 
 def bench_hf(target, ids, params, batch) -> tuple[dict, list[list[int]]]:
@@ -89,12 +85,7 @@ def main() -> None:
           f"  vllm / hf = {results['vllm_vs_hf']:.2f}x decoding, {results['vllm_wall_vs_hf']:.2f}x with the start\n"
           f"  greedy answers: {results['answers']['identical']} of {results['answers']['answers']} identical",
           file=sys.stderr, flush=True)
-    results["load_average_at_end"] = os.getloadavg()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    results["machine"] = machine_info()  # CPU kind, vector features, bf16, threads: beside every figure
-    atomic_write_json(out, results)
-    print(json.dumps(results, indent=2))
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":
