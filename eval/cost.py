@@ -141,7 +141,8 @@ def best_measured(rows: Sequence[dict]) -> Optional[dict]:
 # ---- what to set ----------------------------------------------------------------------------
 
 # method -> (vLLM speculative-config method, SGLang --speculative-algorithm or None)
-ENGINE_METHODS = {"eagle3": ("eagle3", "EAGLE3"), "peagle": ("eagle3", None), "draft": ("draft_model", "STANDALONE"),
+ENGINE_METHODS = {"eagle3": ("eagle3", "EAGLE3"), "peagle": ("eagle3", None), "dflash": ("dflash", None),
+                  "draft": ("draft_model", "STANDALONE"),
                   "ngram": ("ngram", "NGRAM")}
 
 

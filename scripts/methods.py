@@ -147,6 +147,8 @@ ROWS = (
     # with "parallel_drafting": true
     Method("peagle", folders="draftsmith.heads.peagle_folders", proposers="draftsmith.eval.proposers.peagle",
            training_module="draftsmith.train.peagle"),
+    Method("dflash", folders="draftsmith.heads.dflash_folders", proposers="draftsmith.eval.proposers.dflash",
+           training_module="draftsmith.train.dflash"),
     # the catch-all (ARCHITECTURES = ()): any HF causal-LM folder is evaluated as a draft model
     Method("draft", folders="draftsmith.heads.draft_folders", proposers="draftsmith.eval.proposers.draft",
            training_module="draftsmith.train.draft"),
