@@ -35,7 +35,7 @@ USAGE = """usage: draftsmith <command> [key=value ...]   (Hydra overrides; --cfg
 
 commands:
   data-gen   prompts -> the target's own conversations -> tokenized set (+ hidden states)
-  train      train a drafter (method=eagle3 | peagle | draft) on a data-gen output
+  train      train a drafter (method=eagle3 | peagle | dflash | draft) on a data-gen output
   eval       measure acceptance length and real speedup with the built-in lossless decoder
   export     write a trained head in the vLLM / SGLang or speculators format
   publish    push a head to the Hugging Face Hub with a model card measured by eval

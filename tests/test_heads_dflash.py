@@ -100,16 +100,47 @@ def test_folder_names_shapes_dtypes_and_the_config_vllm_reads(tiny_target, tmp_p
     assert method_for_folder(folder).name == "dflash"
 
 
-def test_vllm_reads_it_as_a_non_causal_dflash_drafter_with_these_layers(tiny_target, tmp_path):
-    """vLLM's own config helpers (pure functions of the folder's config) on our folder, where vLLM is installed."""
-    speculative = pytest.importorskip("vllm.model_executor.models.qwen3_dflash", reason="vLLM not importable here")
-    from transformers import AutoConfig
+# vLLM's own config readers (pure functions of a folder's config.json), run in the engine's python on our folders
+VLLM_READS = """
+import json, sys
+from transformers import AutoConfig
+from vllm.model_executor.models import qwen3_dflash
+from vllm.transformers_utils.configs.speculators import algos, base
+plain, spec = sys.argv[1], sys.argv[2]
+config = AutoConfig.from_pretrained(plain)
+raw = json.load(open(spec + "/config.json"))
+translated = {"model_type": "qwen3"}
+algos.update_dflash(raw, translated)
+print(json.dumps({"config_class": type(config).__name__,
+                  "causal": [qwen3_dflash._dflash_layer_causal(config, i) for i in range(config.num_hidden_layers)],
+                  "speculative": base.SpeculatorsConfig.extract_vllm_speculative_config(raw),
+                  "translated": translated}))
+"""
 
-    folder = save_dflash(random_dflash(tiny_target), tmp_path / "d")
-    config = AutoConfig.from_pretrained(folder)
-    assert type(config).__name__ == "Qwen3Config"
-    assert not any(speculative._dflash_layer_causal(config, i) for i in range(LAYERS))
-    assert speculative.dflash_has_any_non_causal(config)
+
+@pytest.mark.slow  # imports vLLM in its own venv (~20 s)
+def test_vllm_reads_both_folders_as_non_causal_dflash_with_these_layers(engine_ready, tiny_target, tmp_path):
+    """vLLM's own readers on our folders: a Qwen3Config whose every layer is non-causal; the speculators config maps
+    to method dflash at K, the target layers in both conventions and causal False (with sliding_window_non_causal
+    false, vLLM would make EVERY layer causal)."""
+    import subprocess
+
+    from draftsmith import engine
+
+    head = random_dflash(tiny_target)
+    plain = save_dflash(head, tmp_path / "d")
+    spec = save_speculators_dflash(head, tmp_path / "s", verifier="some/target")
+    proc = subprocess.run([str(engine_ready), "-c", VLLM_READS, str(plain), str(spec)], capture_output=True, text=True,
+                          env=engine.engine_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["config_class"] == "Qwen3Config" and got["causal"] == [False] * LAYERS
+    assert got["speculative"] == {"method": "dflash", "num_speculative_tokens": BLOCK - 1}
+    out = got["translated"]
+    assert out["architectures"] == ["DFlashDraftModel"]
+    assert out["eagle_aux_hidden_state_layer_ids"] == tiny_target.aux_layer_ids
+    assert out["dflash_config"]["target_layer_ids"] == [i - 1 for i in tiny_target.aux_layer_ids]
+    assert out["dflash_config"]["causal"] is False and out["dflash_config"]["mask_token_id"] == head.mask_token_id
 
 
 def test_round_trip_full_vocab_and_embeddings(tiny_target, tmp_path):
@@ -179,23 +210,6 @@ def test_cli_export_both_formats(tiny_target, tmp_path, capsys):
     with pytest.raises(SystemExit):  # the speculators folder is not a head folder draftsmith reads
         main(["export", f"head={tmp_path / 's'}", f"out={tmp_path / 'x'}"])
     assert "speculators format" in capsys.readouterr().err
-
-
-def test_vllm_maps_our_speculators_config_to_non_causal_dflash(tiny_target, tmp_path):
-    """vLLM's own speculators-config translation (a pure function) on our export: method dflash, K, the layers
-    in both conventions, and causal False (with sliding_window_non_causal false vLLM would make EVERY layer causal)."""
-    algos = pytest.importorskip("vllm.transformers_utils.configs.speculators.algos", reason="vLLM not importable here")
-    base = pytest.importorskip("vllm.transformers_utils.configs.speculators.base")
-    folder = save_speculators_dflash(random_dflash(tiny_target), tmp_path / "s", verifier="some/target")
-    config = json.loads((folder / "config.json").read_text())
-    assert base.SpeculatorsConfig.extract_vllm_speculative_config(config) == {"method": "dflash",
-                                                                              "num_speculative_tokens": BLOCK - 1}
-    out = {"model_type": "qwen3"}
-    algos.update_dflash(config, out)
-    assert out["architectures"] == ["DFlashDraftModel"]
-    assert out["eagle_aux_hidden_state_layer_ids"] == tiny_target.aux_layer_ids
-    assert out["dflash_config"]["target_layer_ids"] == [i - 1 for i in tiny_target.aux_layer_ids]
-    assert out["dflash_config"]["causal"] is False
 
 
 # ---- the outside check: speculators' DFlashDraftModel ------------------------------------------------------

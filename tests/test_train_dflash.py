@@ -117,6 +117,7 @@ def per_slot_reference(setup, anchor, real):
     T = input_ids.shape[1]
     valid = loss_mask.bool() & attention_mask.bool()
     rows = []
+    torch.set_grad_enabled(False)
     for b in range(2):
         for j in range(anchor.shape[1]):
             if not real[b, j]:
@@ -129,6 +130,7 @@ def per_slot_reference(setup, anchor, real):
                     ce = float(-(tgt.probs[b, u] * logits[k].log_softmax(-1)).sum())
                     correct = int(head.draft_to_target(logits[k].argmax())) == int(tgt.argmax[b, u])
                     rows.append((b, a, k, ce, bool(tgt.argmax_in_draft[b, u]), correct))
+    torch.set_grad_enabled(True)
     return rows
 
 
@@ -151,7 +153,7 @@ def test_loss_and_statistics_equal_the_per_block_reference(setup, one_thread, we
             prefix = {j: math.prod(s[i] for i in block if i <= j) for j in block}
             expected += sum(sum(prefix[j] for j in block if j >= k) * block[k][0] for k in block)
         expected /= n
-    assert float(loss) == pytest.approx(expected, rel=1e-9)
+    assert float(loss) == pytest.approx(expected, rel=1e-6)  # the loss runs in float32 (as every method's)
     for k in range(1, BLOCK):
         here = [r for r in rows if r[2] == k]
         assert stats[k - 1, 4] == len(here) and stats[k - 1, 2] == sum(r[5] for r in here)
