@@ -266,3 +266,18 @@ def test_a_mis_mapped_export_fails_the_check(tiny_target, verifier_folder, tmp_p
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     theirs, _ = speculators_block_logits(folder, head, monkeypatch)
     assert not torch.allclose(block_logits(head), theirs, atol=1e-3, rtol=1e-3)
+
+
+def test_publish_card_serves_it_with_vllm_method_dflash(tiny_target, tmp_path):
+    from draftsmith.publish import PublishConfig, run
+
+    head = save_dflash(random_dflash(tiny_target), tmp_path / "trained", manifest_target=tiny_target.identity())
+    result = run(PublishConfig(head=str(head), repo_id="someone/tiny-dflash", base_model="someone/tiny-base",
+                               license="apache-2.0", out=str(tmp_path / "hub"), allow_no_eval=True, dry_run=True))
+    assert {"config.json", "model.safetensors", "speculators/config.json", "README.md"} <= set(result["files"])
+    assert json.loads((tmp_path / "hub" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    text = (tmp_path / "hub" / "README.md").read_text()
+    spec = '{"method": "dflash", "model": "someone/tiny-dflash", "num_speculative_tokens": 3}'
+    assert f"--speculative-config '{spec}'" in text
+    assert "sglang.launch_server" not in text and "serve this head with vLLM" in text
+    assert "dflash" in text and "DFlash" in text
