@@ -41,7 +41,7 @@ from draftsmith.engine import NUM_SPECULATIVE_TOKENS, Engines
 from draftsmith.eval.cost import serving_settings
 from draftsmith.export import ExportOptions, is_set
 from draftsmith.heads.folders import WEIGHTS, check_weights_file, weights_sha256
-from draftsmith.methods import export_formats, method_for_folder
+from draftsmith.methods import export_formats, method_for_folder, read_folder_config
 
 REPO_ID_RULE = "<owner>/<name>, letters, digits, '-', '_' and '.', at most 96 characters"
 
@@ -337,13 +337,16 @@ def method_defaults(method) -> dict:
 
 
 def build_card(cfg, base_model: str, license: str, report: Optional[dict], summary: dict, k: int,
-               formats: list[str], plot: bool, method) -> str:
+               formats: list[str], plot: bool, method, num_layers: Optional[int] = None) -> str:
     """README.md: Hub metadata (base_model, license, library_name, tags, pipeline_tag, model-index) + the card."""
     from huggingface_hub import ModelCard, ModelCardData
 
     name = cfg.repo_id.split("/")[1]
     train = summary.get("train", {})
-    options = {**method_defaults(method), **(train.get("method") if isinstance(train.get("method"), dict) else {})}
+    # what the run recorded, over the method's defaults; the layer count is the folder's own (num_layers: its
+    # config.json), never a default the head may not have
+    options = {**method_defaults(method), **({"num_layers": num_layers} if num_layers is not None else {}),
+               **(train.get("method") if isinstance(train.get("method"), dict) else {})}
     parts = method.card(options, formats, card_commands(method.name, method.engines, base_model, cfg.repo_id, k, report))
     commands = parts["commands"]
     data = ModelCardData(base_model=base_model, license=license, library_name=cfg.library_name, tags=parts["tags"],
@@ -500,7 +503,8 @@ def write_publish_folder(cfg, out: Path, folder: Path, report: Optional[tuple[di
                     shutil.copyfile(where / name, tmp / "eval" / name)
             plot = (tmp / "eval" / "report.png").is_file()
         summary = training_summary(folder, method.offline_data)
-        card = build_card(cfg, base_model, license, report[0] if report else None, summary, k, formats, plot, method)
+        card = build_card(cfg, base_model, license, report[0] if report else None, summary, k, formats, plot, method,
+                          read_folder_config(folder).get("num_hidden_layers"))
         atomic_write_bytes(tmp / "README.md", card.encode())
         if public is not None:
             public.rewrite(tmp)
