@@ -153,8 +153,16 @@ def _field_dataclass(cls, name: str):
     return t if t is not None and dataclasses.is_dataclass(t) else None
 
 
+# (stage, old option) -> its name now: a user's old command line gets a pointer, not a guess
+RENAMED = {("export", "speculative_tokens"): "num_speculative_tokens",
+           ("publish", "speculative_tokens"): "num_speculative_tokens"}
+
+
 def unknown_option(config_name: str, key: str):
     """DraftsmithError: `key` is no option of the stage, with the closest option as a suggestion."""
+    if (config_name, key) in RENAMED:
+        return DraftsmithError(f"option {key} of {command_name(config_name)} is now {RENAMED[config_name, key]} "
+                               f"(the name every stage and vLLM use for K, the number of drafted tokens).")
     options = _options(schema(config_name))
     close = difflib.get_close_matches(key, options, n=1, cutoff=0.6)
     if not close:  # a typo in the last part of a dotted key

@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 from safetensors import safe_open
@@ -145,10 +146,22 @@ def write_index(folder: Path, header: dict, done: dict[int, dict]) -> dict:
     return index
 
 
-def features_batch(target, batch: list[list[int]]) -> list[dict[str, torch.Tensor]]:
+def hf_features(target) -> Callable:
+    """The target loaded in this process: its `features(input_ids, attention_mask) -> (aux, last)`."""
+    return target.features
+
+
+# hidden_states_source -> (target -> features(input_ids (B, T), attention_mask (B, T)) -> (aux (B, T, nH), last
+# (B, T, H))). vLLM's hidden-state extraction would be a second source; vLLM 0.32.0 for CPU cannot run it
+# (its extract_hidden_states pins memory, which needs CUDA), so it is not offered.
+FEATURE_SOURCES = {"hf": hf_features}
+
+
+def features_batch(target, batch: list[list[int]], features: Optional[Callable] = None
+                   ) -> list[dict[str, torch.Tensor]]:
     """{"aux" (T, 3H), "last" (T, H), "top" (T,) int32, "lse" (T,) float32} per sequence, computed
-    right-padded in one forward; the lm_head runs over one sequence's positions at a time (a full-vocab
-    (B, T, V) tensor of a large target would not fit)."""
+    right-padded in one forward of `features` (default: the target's own); the lm_head runs over one sequence's
+    positions at a time (a full-vocab (B, T, V) tensor of a large target would not fit)."""
     T = max(len(x) for x in batch)
     pad = target.tokenizer.pad_token_id
     input_ids = torch.full((len(batch), T), pad, dtype=torch.long)
@@ -156,7 +169,8 @@ def features_batch(target, batch: list[list[int]]) -> list[dict[str, torch.Tenso
     for r, x in enumerate(batch):
         input_ids[r, : len(x)] = torch.tensor(x)
         attn[r, : len(x)] = 1
-    aux, last = target.features(input_ids.to(target.device), attn.to(target.device))  # (B, T, 3H), (B, T, H)
+    features = features or target.features
+    aux, last = features(input_ids.to(target.device), attn.to(target.device))  # (B, T, 3H), (B, T, H)
     out = []
     for r, x in enumerate(batch):
         logits = target.logits(last[r, : len(x)]).float()  # (T_r, V)
@@ -172,15 +186,16 @@ def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> int:
 
 
 def capture_hidden_states(target, input_ids: list[list[int]], folder: str | Path, dtype: str = "bfloat16",
-                          samples_per_shard: int = 256, batch_size: int = 8, rank: int = 0, world: int = 1
-                          ) -> dict:
-    """Capture features for every sequence into resumable shards; returns the index.
+                          samples_per_shard: int = 256, batch_size: int = 8, rank: int = 0, world: int = 1,
+                          source: str = "hf") -> dict:
+    """Capture features for every sequence into resumable shards (from FEATURE_SOURCES[source]); returns the index.
 
     world > 1: capture only this rank's shards (s % world == rank) and record them in its rank index;
     returns a partial index (`complete` False; `captured` / `kept`: this rank's shards written / kept). Whoever
     sees every shard finished (`finished_shards`) then writes index.json with `write_index`.
     """
     folder = Path(folder)
+    features = FEATURE_SOURCES[source](target)
     folder.mkdir(parents=True, exist_ok=True)
     store_dtype = torch_dtype(dtype)
     n = len(input_ids)
@@ -200,7 +215,7 @@ def capture_hidden_states(target, input_ids: list[list[int]], folder: str | Path
             tensors = {}
             for b in range(0, len(order), batch_size):
                 idx = order[b:b + batch_size]
-                for i, feats in zip(idx, features_batch(target, [input_ids[i] for i in idx])):
+                for i, feats in zip(idx, features_batch(target, [input_ids[i] for i in idx], features)):
                     tensors[f"{i}.aux"] = feats["aux"].to(store_dtype).cpu().contiguous()
                     tensors[f"{i}.last"] = feats["last"].to(store_dtype).cpu().contiguous()
                     tensors[f"{i}.top"] = feats["top"].cpu().contiguous()

@@ -68,7 +68,8 @@ from omegaconf import OmegaConf
 from draftsmith import DraftsmithError
 from draftsmith import artifacts as mf
 from draftsmith.data_gen.capture import WRITTEN as CAPTURE_FILES
-from draftsmith.data_gen.capture import capture_hidden_states, finished_shards, num_shards, write_index
+from draftsmith.data_gen.capture import (FEATURE_SOURCES, capture_hidden_states, finished_shards, num_shards,
+                                        write_index)
 from draftsmith.data_gen.filters import filter_answers
 from draftsmith.data_gen.prompts import filter_counts_text, load_prompts
 from draftsmith.data_gen.regenerate import BACKENDS, SamplingParams, make_backend, regenerate_all
@@ -78,6 +79,7 @@ from draftsmith.data_gen.topk import WRITTEN as TOPK_FILES
 from draftsmith.data_gen.topk import capture_topk
 from draftsmith.locks import acquire_lock as claim_run, claim_dir, claim_file, rank_world, release_lock
 from draftsmith.locks import wait_while_progressing
+from draftsmith.methods import methods
 from draftsmith.progress import progress
 
 COUNT_KEYS = ("prompts", "samples", "tokens", "loss_tokens", "truncated", "dropped", "failed")
@@ -148,6 +150,19 @@ def check_settings(cfg) -> None:
             raise DraftsmithError(f"{key}={value!r} must be a whole number of at least 1.")
     if cfg.hidden_states:
         torch_dtype(cfg.hidden_states_dtype)
+        if cfg.hidden_states_source not in FEATURE_SOURCES:
+            raise DraftsmithError(f"hidden_states_source={cfg.hidden_states_source!r} is not one of "
+                                  f"{', '.join(FEATURE_SOURCES)}.")
+        feature_layers(cfg)
+
+
+def feature_layers(cfg):
+    """The layer request of `hidden_states_for` (a method whose drafter reads target features)."""
+    fed = [name for name, m in methods().items() if m.target_layer_ids is not None]
+    if cfg.hidden_states_for not in fed:
+        raise DraftsmithError(f"hidden_states_for={cfg.hidden_states_for!r}: hidden states are captured for a method "
+                              f"that reads them, one of {', '.join(fed)}.")
+    return methods()[cfg.hidden_states_for].target_layer_ids
 
 
 # --- regeneration, saved chunk by chunk -------------------------------------------------------
@@ -417,7 +432,8 @@ def run(cfg) -> dict:
     if world > 1:
         use_rank_device(cfg)
     dtype_why = resolve_target_dtype(cfg.target)  # target.dtype=auto -> this machine's choice, before any key uses it
-    target = load_target(cfg.target, lazy=True)  # the weights load where first used (generation, capture)
+    # the weights load where first used (generation, capture); features from the layers hidden_states_for asks for
+    target = load_target(cfg.target, lazy=True, layers=feature_layers(cfg) if cfg.hidden_states else None)
     identity = target.identity()
     check_out_folder(out, identity)
     mf.claim_output(out, "data_gen")  # before the first write: a rerun then knows the folder as its own
@@ -639,7 +655,7 @@ def capture(cfg, target, out: Path, rank: int = 0, world: int = 1) -> dict | Non
     ids = datasets.load_from_disk(str(out / "tokenized"))["input_ids"]
     folder = out / "hidden_states"
     index = capture_hidden_states(target, ids, folder, cfg.hidden_states_dtype,
-                                  cfg.samples_per_shard, cfg.capture_batch_size, rank, world)
+                                  cfg.samples_per_shard, cfg.capture_batch_size, rank, world, cfg.hidden_states_source)
     hidden = {k: index[k] for k in ("dtype", "aux_layer_ids", "last_hidden_state", "hidden_size")}
     if world == 1:
         hidden["shards"] = len(index["shards"])

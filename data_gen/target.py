@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from gguf import GGUFReader
@@ -64,7 +64,8 @@ class TargetConfig:
     # A Jinja chat template (string or path to a file) for tokenizers that ship none.
     chat_template: Optional[str] = None
     trust_remote_code: bool = False  # run the model repo's own modeling code (HF targets)
-    # EAGLE-3 feature layers; None means the default (2, N//2, N-3).
+    # the layers whose hidden states feed the drafter; None: the ones its method asks for (EAGLE-3 and P-EAGLE:
+    # 2, N//2, N-3; data-gen: those of hidden_states_for)
     aux_layer_ids: Optional[list[int]] = None
 
     def __post_init__(self):
@@ -234,8 +235,12 @@ class _Loaded:
     build: object  # () -> PreTrainedModel (weights loaded, on the CPU, in the requested dtype)
 
 
-def load_target(cfg: TargetConfig, lazy: bool = False) -> Target:
+def load_target(cfg: TargetConfig, lazy: bool = False,
+                layers: Optional[Callable[[int], Optional[list[int]]]] = None) -> Target:
     """Build a Target from its config: preset, GGUF file, or HF folder / hub id.
+
+    `layers`: the drafting method's request (its row's `target_layer_ids`, num_layers -> layer ids) for the
+    layers whose hidden states `features` returns; `target.aux_layer_ids`, when set, overrides it.
 
     lazy=True reads only the tokenizer, chat template, config and identity (the same target_hash as a
     full load: it never depends on the weights' values) and loads the weights the first time
@@ -258,7 +263,10 @@ def load_target(cfg: TargetConfig, lazy: bool = False) -> Target:
     def build() -> PreTrainedModel:
         return loaded.build().to(device=cfg.device, dtype=model_dtype(cfg))
 
-    target = Target(None, tokenizer, target_id=name, target_hash=loaded.target_hash, aux_layer_ids=cfg.aux_layer_ids,
+    aux_layer_ids = cfg.aux_layer_ids
+    if aux_layer_ids is None and layers is not None:
+        aux_layer_ids = layers(int(loaded.config.num_hidden_layers))
+    target = Target(None, tokenizer, target_id=name, target_hash=loaded.target_hash, aux_layer_ids=aux_layer_ids,
                     config=loaded.config, generation_config=loaded.generation_config, load_model=build)
     if not lazy:
         target.model  # noqa: B018 (load the weights now)

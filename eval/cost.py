@@ -25,6 +25,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from draftsmith.engine import Engines
 from draftsmith.eval.decoder import tree_mask
 
 
@@ -140,50 +141,42 @@ def best_measured(rows: Sequence[dict]) -> Optional[dict]:
 
 # ---- what to set ----------------------------------------------------------------------------
 
-# method -> (vLLM speculative-config method, SGLang --speculative-algorithm or None)
-ENGINE_METHODS = {"eagle3": ("eagle3", "EAGLE3"), "peagle": ("eagle3", None), "dflash": ("dflash", None),
-                  "draft": ("draft_model", "STANDALONE"),
-                  "ngram": ("ngram", "NGRAM")}
-
-
-def serving_settings(method: str, target_model: str, head_path: Optional[str], k: int, mode: str = "chain",
-                     tree_top_k: int = 1, tree_size: Optional[int] = None, ngram_min: int = 1,
+def serving_settings(method: str, engines: Engines, target_model: str, head_path: Optional[str], k: int,
+                     mode: str = "chain", tree_top_k: int = 1, tree_size: Optional[int] = None, ngram_min: int = 1,
                      ngram_max: int = 3, line_break: bool = False) -> dict:
     """vLLM's --speculative-config and SGLang's --speculative-* flags for `method` at draft length `k`.
 
-    The one place that knows the engines' flags: eval's report and publish's model card both call it
-    (`line_break=True`: one flag per line, for the card). Tree drafting (tree_size = the tree budget) maps to
-    SGLang's topk / num-draft-tokens (the root counted, as SGLang does); vLLM gets the chain of the same depth.
-    A method an engine cannot serve gets None and a reason."""
-    base = method.split("+")[-1]  # ngram+eagle3 is served as its head
-    vllm_method, sglang_algo = ENGINE_METHODS.get(base, (None, None))
+    `engines`: the method's row's names for it (draftsmith.methods; ngram's is eval's NGRAM_ENGINES; ngram+<m>
+    is served as <m>). The one place that turns them into the engines' flags: eval's report and publish's model
+    card both call it (`line_break=True`: one flag per line, for the card). Tree drafting (tree_size = the tree
+    budget) maps to SGLang's topk / num-draft-tokens (the root counted, as SGLang does); vLLM gets the chain of
+    the same depth. An engine that cannot serve the method gets None and a reason."""
     out: dict = {"k": k, "mode": mode}
     model = head_path or "<head folder>"
     sep = " \\\n    " if line_break else " "
-    if vllm_method is None:
+    if engines.vllm is None:
         out["vllm"] = {"config": None, "command": None, "note": f"vLLM has no speculative method for {method!r}."}
     else:
-        spec: dict = {"method": vllm_method}
-        if base == "ngram":
-            spec.update(num_speculative_tokens=k, prompt_lookup_min=ngram_min, prompt_lookup_max=ngram_max)
-        else:
+        spec: dict = {"method": engines.vllm}
+        if engines.draft_folder:
             spec.update(model=model, num_speculative_tokens=k)
-        if base == "peagle":
-            spec["parallel_drafting"] = True
+        else:  # prompt lookup: no draft folder, the n-gram sizes instead
+            spec.update(num_speculative_tokens=k, prompt_lookup_min=ngram_min, prompt_lookup_max=ngram_max)
+        spec.update(engines.vllm_options)
         text = json.dumps(spec)
         out["vllm"] = {"config": spec, "command": f"vllm serve {target_model}{sep}--speculative-config '{text}'"}
-    if sglang_algo is None:
+    if engines.sglang is None:
         out["sglang"] = {"flags": None, "command": None,
                          "note": f"SGLang has no speculative algorithm for {method!r}; serve it with vLLM."}
     else:
         tree = mode == "tree"
         topk = tree_top_k if tree else 1
         draft_tokens = (tree_size if tree and tree_size else k) + 1  # SGLang counts the root token
-        flags = {"--speculative-algorithm": sglang_algo, "--speculative-num-steps": k,
-                 "--speculative-eagle-topk": topk, "--speculative-num-draft-tokens": draft_tokens}
-        if base != "ngram":
-            flags = {"--speculative-algorithm": sglang_algo, "--speculative-draft-model-path": model,
-                     **{f: v for f, v in flags.items() if f != "--speculative-algorithm"}}
+        flags = {"--speculative-algorithm": engines.sglang}
+        if engines.draft_folder:
+            flags["--speculative-draft-model-path"] = model
+        flags.update({"--speculative-num-steps": k, "--speculative-eagle-topk": topk,
+                      "--speculative-num-draft-tokens": draft_tokens})
         text = sep.join(f"{f} {v}" for f, v in flags.items())
         out["sglang"] = {"flags": flags,
                          "command": f"python -m sglang.launch_server --model-path {target_model}{sep}{text}"}

@@ -26,13 +26,14 @@ from typing import Optional, Protocol
 import torch
 
 from draftsmith import DraftsmithError
+from draftsmith.engine import NUM_SPECULATIVE_TOKENS
 from draftsmith.sampling import SamplingConfig, process_logits
 
 
 @dataclass
 class DraftingConfig:
     mode: str = "chain"  # chain | tree
-    num_speculative_tokens: int = 5  # chain length / tree depth
+    num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS  # K: chain length / tree depth
     tree_top_k: int = 4  # branching
     tree_budget: int = 32  # max draft tokens per step
     # Dynamic draft length (chain mode): a chain ends with its first token whose drafter probability is below

@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Optional
 
 from draftsmith import DraftsmithError, engine
+from draftsmith.engine import Engines
 from draftsmith.eval import metrics
 from draftsmith.eval.config import check_engine_options
 from draftsmith.eval.cost import serving_settings
+from draftsmith.eval.proposers.ngram import NGRAM_ENGINES
 
 TARGET_ONLY = "target_only"
 # |vLLM − built-in| allowed on τ and on each per-position acceptance, pooled over every verification: only the
@@ -43,9 +45,12 @@ def served_target(target) -> str:
     return engine.served_folder(target, "engine=vllm")
 
 
-def speculative_config(method: str, head: Optional[str], k: int, ngram_min: int = 1, ngram_max: int = 3) -> dict:
-    """vLLM's speculative_config for `method` at K: the one eval recommends and publish's card prints."""
-    spec = serving_settings(method, "<target>", head, k, ngram_min=ngram_min, ngram_max=ngram_max)["vllm"]["config"]
+def speculative_config(method: str, engines: Engines, head: Optional[str], k: int, ngram_min: int = 1,
+                       ngram_max: int = 3) -> dict:
+    """vLLM's speculative_config for `method` (its row's `engines`) at K: the one eval recommends and publish's
+    card prints."""
+    spec = serving_settings(method, engines, "<target>", head, k, ngram_min=ngram_min,
+                            ngram_max=ngram_max)["vllm"]["config"]
     if spec is None:
         raise DraftsmithError(f"engine=vllm: vLLM has no speculative method for {method!r}.")
     return spec
@@ -59,10 +64,11 @@ def engine_runs(cfg, drafter, k: int) -> list[dict]:
     head = drafter.info.get("path")
     for kk in dict.fromkeys([k, *getattr(cfg, "sweep_k", [])]):
         runs.append({"name": run_name(drafter.method, kk, k), "k": kk,
-                     "speculative_config": speculative_config(drafter.method, head, kk, cfg.ngram_min, cfg.ngram_max)})
+                     "speculative_config": speculative_config(drafter.method, drafter.engines, head, kk,
+                                                              cfg.ngram_min, cfg.ngram_max)})
     if "ngram" in cfg.baselines and drafter.method != "ngram":
-        runs.append({"name": "ngram", "k": k, "speculative_config": speculative_config("ngram", None, k, cfg.ngram_min,
-                                                                                      cfg.ngram_max)})
+        runs.append({"name": "ngram", "k": k, "speculative_config": speculative_config("ngram", NGRAM_ENGINES, None, k,
+                                                                                      cfg.ngram_min, cfg.ngram_max)})
     return runs
 
 
@@ -274,8 +280,8 @@ def engine_recommendation(section: dict, drafter, setup, report: dict, target_mo
     settings = {key: builtin[key] for key in ("vllm", "sglang") if key in builtin}
     if builtin.get("k") != k or not settings:
         d = setup.drafting
-        settings = serving_settings(drafter.method, target_model, drafter.info.get("path"), k, d.mode, d.tree_top_k,
-                                    None, setup.cfg.ngram_min, setup.cfg.ngram_max)
+        settings = serving_settings(drafter.method, drafter.engines, target_model, drafter.info.get("path"), k,
+                                    d.mode, d.tree_top_k, None, setup.cfg.ngram_min, setup.cfg.ngram_max)
     table = (section.get("cost_model") or {}).get("table") or []
     predicted = next((r["predicted_speedup"] for r in table if r["k"] == k), None)  # the engine-calibrated model's
     return {"k": k, "mode": setup.drafting.mode, "measured_speedup": best, "measured_by": "vllm",

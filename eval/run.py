@@ -28,13 +28,14 @@ from transformers import PreTrainedModel
 
 from draftsmith import DraftsmithError, machine
 from draftsmith import artifacts as mf
+from draftsmith.engine import Engines
 from draftsmith.data_gen.target import KNOWN_TARGETS, Target, load_target, resolve_target_dtype
 from draftsmith.eval import cost, metrics
 from draftsmith.eval.config import EvalConfig, build_settings
 from draftsmith.eval.decoder import DraftingConfig, GenerationResult, Proposer, speculative_generate
 from draftsmith.eval.engine_vllm import engine_report
 from draftsmith.eval.prompts import EvalPrompt, load_prompts, render
-from draftsmith.eval.proposers.ngram import NgramFirstProposer, NgramProposer
+from draftsmith.eval.proposers.ngram import NGRAM_ENGINES, NgramFirstProposer, NgramProposer
 from draftsmith.eval.report import hardware, software_versions, summary_lines, write_report
 from draftsmith.eval.target_runner import TargetRunner
 from draftsmith.heads.folders import weights_sha256
@@ -56,6 +57,7 @@ class Drafter:
     make: Optional[Callable[[], Proposer]]  # builds the proposer; None = target-only
     info: dict = field(default_factory=dict)
     model: Optional[torch.nn.Module] = None  # the loaded drafter (a transformers model can be hf_assisted's)
+    engines: Engines = Engines(vllm=None)  # what vLLM and SGLang call it (its method's row; ngram's own)
 
 
 def find_head_folder(path: Path) -> Path:
@@ -65,6 +67,18 @@ def find_head_folder(path: Path) -> Path:
             return folder
     raise DraftsmithError(f"head={str(path)!r} has no config.json (nor a final/ folder holding one); give an "
                           f"EAGLE-3 folder, a train out/ folder or an HF draft-model folder.")
+
+
+def head_layers(head: Optional[str]):
+    """The target layers the head's method reads (its row's `target_layer_ids`); None for none, ngram or no folder
+    (load_drafter then says what is wrong with it)."""
+    if head is None or not Path(head).is_dir():
+        return None
+    try:
+        folder = find_head_folder(Path(head))
+        return method_for_folder(folder, read_folder_config(folder)).target_layer_ids
+    except DraftsmithError:
+        return None
 
 
 def check_head_target(folder: Path, config: dict, target: Target) -> None:
@@ -91,7 +105,7 @@ def load_drafter(cfg, target: Target, max_len: int) -> Drafter:
     if head == "ngram":
         return Drafter("ngram", lambda: ngram_proposer(cfg),
                        {"kind": "ngram", "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max,
-                        "ngram_match": getattr(cfg, "ngram_match", "latest")})
+                        "ngram_match": getattr(cfg, "ngram_match", "latest")}, engines=NGRAM_ENGINES)
     path = Path(head)
     if not path.is_dir():
         raise DraftsmithError(f"head={head!r} is neither `ngram`, `none` nor a folder.")
@@ -106,7 +120,7 @@ def load_drafter(cfg, target: Target, max_len: int) -> Drafter:
             # publish matches the head it publishes by this
             "sha256": weights_sha256(folder) if (folder / "model.safetensors").is_file() else None}
     return with_ngram_first(cfg, Drafter(entry.name, lambda: entry.proposer(model, target.vocab_size, max_len),
-                                         info, model))
+                                         info, model, entry.engines))
 
 
 def ngram_proposer(cfg) -> Proposer:
@@ -119,7 +133,7 @@ def with_ngram_first(cfg, drafter: Drafter) -> Drafter:
         return drafter
     info = drafter.info | {"ngram_first": True, "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max}
     return Drafter(f"ngram+{drafter.method}", lambda: NgramFirstProposer(ngram_proposer(cfg), drafter.make()),
-                   info, drafter.model)
+                   info, drafter.model, drafter.engines)  # served as its head
 
 
 # --------------------------------------------------------------------------- decoding
@@ -236,7 +250,7 @@ def prepare(cfg) -> Setup:
                             overwrite=bool(getattr(cfg, "overwrite", False)))
     prompts = load_prompts(cfg.prompts)
     dtype_why = resolve_target_dtype(cfg.target)  # target.dtype=auto -> this machine's choice (saved in config.yaml)
-    target = load_target(cfg.target)
+    target = load_target(cfg.target, layers=head_layers(head_path))  # the features the head reads
     max_len = runner_max_len(cfg, target.tokenizer, prompts, drafting)
     runner = TargetRunner(target.model, max_len, target.aux_layer_ids,
                           cuda_graph=getattr(cfg, "cuda_graph", EvalConfig.cuda_graph))
@@ -373,8 +387,9 @@ def cost_report(setup: Setup, drafter: Drafter, samples: dict[str, list[metrics.
     out["k_sweep"] = rows
     if best is not None:
         target_model = _hub_id(setup.target.target_id)
-        settings = cost.serving_settings(drafter.method, target_model, drafter.info.get("path"), best["k"], d.mode,
-                                         d.tree_top_k, d.tree_budget if tree else None, cfg.ngram_min, cfg.ngram_max)
+        settings = cost.serving_settings(drafter.method, drafter.engines, target_model, drafter.info.get("path"),
+                                         best["k"], d.mode, d.tree_top_k, d.tree_budget if tree else None,
+                                         cfg.ngram_min, cfg.ngram_max)
         out["recommendation"] = {"k": best["k"], "mode": d.mode, "measured_speedup": best["measured_speedup"],
                                  "predicted_speedup": best["predicted_speedup"],
                                  "faster_than_target_only": best["measured_speedup"] > 1.0, **settings}

@@ -31,7 +31,7 @@ from draftsmith.heads.dflash import DFlashHead, dflash_config_from_target
 from draftsmith.heads.folders import (CONFIG, EMBED, WEIGHTS, build_head, folder_hooks, folder_tensors, layer_shapes,
                                       llama_layer_config, read_checked_tensors, read_config_json, speculators_config,
                                       SPECULATORS_VERSION, with_target_embeddings, write_head_folder, export_verifier)
-from draftsmith.heads.kit import DEFAULT_ROPE_THETA
+from draftsmith.heads.kit import DEFAULT_ROPE_THETA, default_aux_layer_ids
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"  # vLLM's registry: qwen3_dflash.DFlashQwen3ForCausalLM
 DFLASH_SPECULATORS_ARCHITECTURE = "DFlashSpeculator"
@@ -200,7 +200,20 @@ def save_speculators_dflash(head: DFlashHead, folder: str | os.PathLike, verifie
 
 # ---- the method table's hooks (draftsmith.methods) -------------------------------------------------------------
 
-load, save = folder_hooks(load_dflash, save_dflash)
+# the target layers it reads (low, middle, high: EAGLE-3's, so data-gen's shards serve it), captured by data-gen and
+# computed by train / eval's runner; its folders always name them
+target_layer_ids = default_aux_layer_ids
+load_checked, save = folder_hooks(load_dflash, save_dflash)
+
+
+def load(folder: Path, target=None) -> DFlashHead:
+    """The method table's loader: beside a target, the folder's target layers must be the ones it computes."""
+    head = load_checked(folder, target)
+    if target is not None and list(head.config.aux_layer_ids) != list(target.aux_layer_ids):
+        raise DraftsmithError(f"{Path(folder) / CONFIG} reads target layers {head.config.aux_layer_ids} (HF hidden_states "
+                              f"indices), but the target computes {list(target.aux_layer_ids)}: pass "
+                              f"target.aux_layer_ids={head.config.aux_layer_ids}.")
+    return head
 
 
 def write_dflash(head: DFlashHead, folder: Path, manifest_target: Optional[dict], options) -> Path:
@@ -210,7 +223,7 @@ def write_dflash(head: DFlashHead, folder: Path, manifest_target: Optional[dict]
 
 def write_speculators(head: DFlashHead, folder: Path, manifest_target: Optional[dict], options) -> Path:
     return save_speculators_dflash(head, folder, verifier=export_verifier(options, manifest_target),
-                                   num_speculative_tokens=options.speculative_tokens, manifest_target=manifest_target,
+                                   num_speculative_tokens=options.num_speculative_tokens, manifest_target=manifest_target,
                                    dtype=options.dtype, include_embeddings=options.include_embeddings)
 
 
@@ -218,17 +231,17 @@ FORMATS = {"dflash": write_dflash, "speculators": write_speculators}
 
 
 def card(options: dict, formats: list[str], commands: dict) -> dict:
-    """DFlash's parts of the card (`options`: the training run's method options; `commands`: the engines' serving
-    commands)."""
-    block = options.get("block_size", 8)
+    """DFlash's parts of the card (`options`: the training run's method options, its defaults filled in by publish;
+    `commands`: the engines' serving commands)."""
+    block = options["block_size"]
     return {
         "title": "A DFlash (block-parallel) drafter",
-        "method": (f"DFlash: a {options.get('num_layers', 'multi')}-layer drafter that proposes a block of "
+        "method": (f"DFlash: a {options['num_layers']}-layer drafter that proposes a block of "
                    f"{block - 1} tokens in one forward: the target's hidden states from three layers, fused by a "
                    "linear layer, are the keys and values of every layer's attention, and the block (the last "
                    "verified token followed by mask tokens) attends to them and to itself without a causal mask. "
                    f"Trained on the target's own answers with cross-entropy over the block positions "
-                   f"({options.get('loss_weighting', 'exp_decay')} position weights); it drafts over a reduced "
+                   f"({options['loss_weighting']} position weights); it drafts over a reduced "
                    "vocabulary mapped to the target's by `d2t` / `t2d`."),
         "tags": ["dflash", "speculative-decoding", "draft-model", "draftsmith", "vllm"]
                 + (["speculators"] if "speculators" in formats else []),

@@ -91,20 +91,19 @@ FORMATS = {"hf": export_hf}
 
 def card(options: dict, formats: list[str], commands: dict) -> dict:
     """A draft model's parts of the card: what it is, tags, serving commands, files (`options`: the training run's
-    method options; `commands`: the engines' serving commands)."""
-    init = options.get("init", "from_target")
-    start = {"from_target": f"{options.get('num_layers', 'some')} of the target's layers with its embeddings, final "
+    method options, its defaults filled in by publish; `commands`: the engines' serving commands)."""
+    init = options["init"]
+    start = {"from_target": f"{options['num_layers']} of the target's layers with its embeddings, final "
                             "norm and lm_head",
              "from_model": f"the causal LM {options.get('model')!r}",
              "scratch": "a randomly initialised decoder of the target's family"}.get(init, init)
-    lora_options = options.get("lora") if isinstance(options.get("lora"), dict) else {}
-    lora_on = lora_options.get("enabled")
-    lora = lora_options.get("r", 16) if (lora_on if lora_on is not None else init == "from_model") else None
+    lora_on = options["lora"]["enabled"]
+    lora = options["lora"]["r"] if (lora_on if lora_on is not None else init == "from_model") else None
     return {
         "title": "A draft model",
         "method": (f"A small causal LM that shares the target's tokenizer, started from {start} and distilled on the "
-                   f"target's own answers (loss {options.get('loss', 'fkl')} between the draft's and the target's "
-                   f"next-token distributions, temperature {options.get('temperature', 1.0)}"
+                   f"target's own answers (loss {options['loss']} between the draft's and the target's "
+                   f"next-token distributions, temperature {options['temperature']}"
                    + (f", LoRA rank {lora} merged into the weights" if lora else "") + "). It drafts K tokens "
                    "autoregressively with its own KV cache; the target verifies them."),
         "tags": ["draft-model", "speculative-decoding", "draftsmith", "vllm", "sglang"],

@@ -18,12 +18,14 @@ from typing import Optional
 import torch
 
 from draftsmith import DraftsmithError
+from draftsmith.engine import NUM_SPECULATIVE_TOKENS
 from draftsmith.heads.eagle3 import Eagle3Head
-from draftsmith.heads.folders import (CONFIG, EAGLE3_ARCHITECTURE, EMBED, SERVING_K, WEIGHTS, build_head,
+from draftsmith.heads.folders import (CONFIG, EAGLE3_ARCHITECTURE, EMBED, WEIGHTS, build_head,
                                       config_from_json, eagle3_architecture_config, export_writer, folder_hooks,
                                       folder_tensors, layer_shapes, llama_layer_config, read_checked_tensors,
                                       read_config_json, speculators_fields, speculators_writer,
                                       with_target_embeddings, write_head_folder)
+from draftsmith.heads.kit import default_aux_layer_ids
 
 SPECULATORS_ARCHITECTURE = "Eagle3DraftModel"
 ARCHITECTURES = (EAGLE3_ARCHITECTURE,)
@@ -96,38 +98,40 @@ def speculators_name(name: str) -> str:
     return "layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name
 
 
-def speculators_config_json(head: Eagle3Head, verifier: Optional[str], speculative_tokens: int,
+def speculators_config_json(head: Eagle3Head, verifier: Optional[str], num_speculative_tokens: int,
                             manifest_target: Optional[dict], dtype: torch.dtype) -> dict:
     """config.json of the speculators format for our architecture (no extra norms, raw-h residual)."""
     layer = llama_layer_config(head.config)
     layer["architectures"] = ["LlamaForCausalLM"]
-    return speculators_fields(head.config, SPECULATORS_ARCHITECTURE, "eagle3", layer, verifier, speculative_tokens,
+    return speculators_fields(head.config, SPECULATORS_ARCHITECTURE, "eagle3", layer, verifier, num_speculative_tokens,
                               manifest_target, dtype, embed_requires_grad=False)
 
 
 def save_speculators(head: Eagle3Head, folder: str | os.PathLike, verifier: Optional[str] = None,
-                     speculative_tokens: int = SERVING_K, manifest_target: dict | None = None,
+                     num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS, manifest_target: dict | None = None,
                      dtype: Optional[torch.dtype] = None, include_embeddings: bool = True) -> Path:
     """Write the head in vLLM's speculators format (atomically) and return the folder."""
-    if speculative_tokens < 1:
-        raise DraftsmithError(f"export.speculative_tokens={speculative_tokens} must be at least 1.")
+    if num_speculative_tokens < 1:
+        raise DraftsmithError(f"export.num_speculative_tokens={num_speculative_tokens} must be at least 1.")
     folder = Path(folder)
     dtype = dtype or head.fc.weight.dtype
     tensors = {speculators_name(n): t for n, t in head_tensors(head, dtype, include_embeddings).items()}
-    config = speculators_config_json(head, verifier, speculative_tokens, manifest_target, dtype)
+    config = speculators_config_json(head, verifier, num_speculative_tokens, manifest_target, dtype)
     return write_head_folder(folder, tensors, config, head.config.draft_vocab_size, manifest_target, "export",
                              "speculators")
 
 
 # ---- the method table's hooks (draftsmith.methods) --------------------------------------------------
 
+# the target layers it reads (low, middle, high), captured by data-gen and computed by train / eval's runner
+target_layer_ids = default_aux_layer_ids
 load, save = folder_hooks(load_eagle3, save_eagle3)
 FORMATS = {"eagle3": export_writer(save_eagle3), "speculators": speculators_writer(save_speculators)}
 
 
 def card(options: dict, formats: list[str], commands: dict) -> dict:
     """EAGLE-3's parts of the card: what it is, tags, serving commands, files (`options`: the training run's method
-    options; `commands`: the engines' serving commands)."""
+    options, its defaults filled in by publish; `commands`: the engines' serving commands)."""
     commands = dict(commands)
     if formats[0] != "eagle3":
         del commands["sglang"]  # SGLang loads only the EAGLE-3 folder format
@@ -135,8 +139,8 @@ def card(options: dict, formats: list[str], commands: dict) -> dict:
         "title": "An EAGLE-3 draft head",
         "method": ("EAGLE-3: one Llama decoder layer fed by the target's hidden states from three layers (low, "
                    "middle, high), fused by a linear layer, trained with the training-time test (the head's own "
-                   f"outputs fed back for {options.get('ttt_steps', 7)} steps, loss weights "
-                   f"{options.get('ttt_decay', 0.8)}^i) on the target's own answers. It drafts over a reduced "
+                   f"outputs fed back for {options['ttt_steps']} steps, loss weights "
+                   f"{options['ttt_decay']}^i) on the target's own answers. It drafts over a reduced "
                    "vocabulary mapped to the target's by `d2t` / `t2d`."),
         "tags": ["eagle3", "speculative-decoding", "draft-model", "draftsmith", "vllm"]
                 + (["sglang"] if formats[0] == "eagle3" else []) + (["speculators"] if "speculators" in formats else []),

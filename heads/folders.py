@@ -35,8 +35,6 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 EMBED = "embed_tokens.weight"
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config schema this writes
-# K an engine is told (the speculators greedy proposal, publish's serving commands) when no eval report measured one
-SERVING_K = 3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,7 +145,7 @@ def explicit_aux_layer_ids(manifest_target: Optional[dict]) -> Optional[list[int
 
 
 def speculators_fields(config, architecture: str, model_type: str, layer: dict, verifier: Optional[str],
-                       speculative_tokens: int, manifest_target: Optional[dict], dtype: torch.dtype,
+                       num_speculative_tokens: int, manifest_target: Optional[dict], dtype: torch.dtype,
                        embed_requires_grad: bool, extra: Optional[dict] = None) -> dict:
     """config.json of the speculators format for our layer (no extra norms, raw-h residual): what every method's
     speculators folder shares; `extra` (e.g. P-EAGLE's mask_token_id) follows the aux-layer ids."""
@@ -174,17 +172,18 @@ def speculators_fields(config, architecture: str, model_type: str, layer: dict, 
         "embed_requires_grad": bool(embed_requires_grad),
         "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
-        "speculators_config": speculators_config(model_type, verifier, speculative_tokens),
+        "speculators_config": speculators_config(model_type, verifier, num_speculative_tokens),
     }
 
 
-def speculators_config(algorithm: str, verifier: Optional[str], speculative_tokens: int) -> dict:
-    """The `speculators_config` block: the greedy proposal of `speculative_tokens` and the verifier."""
+def speculators_config(algorithm: str, verifier: Optional[str], num_speculative_tokens: int) -> dict:
+    """The `speculators_config` block: the greedy proposal of `num_speculative_tokens` (speculators' key:
+    `speculative_tokens`) and the verifier."""
     return {
         "algorithm": algorithm,
         "proposal_methods": [{
             "proposal_type": "greedy",
-            "speculative_tokens": int(speculative_tokens),
+            "speculative_tokens": int(num_speculative_tokens),
             "verifier_accept_k": 1,
             "accept_tolerance": 0.0,
         }],
@@ -409,10 +408,10 @@ def export_writer(save_folder: Callable[..., Path]) -> FormatWriter:
 
 
 def speculators_writer(save_speculators: Callable[..., Path]) -> FormatWriter:
-    """The speculators format writer over `save_speculators(head, folder, verifier=, speculative_tokens=, ...)`."""
+    """The speculators format writer over `save_speculators(head, folder, verifier=, num_speculative_tokens=, ...)`."""
     def write(head: torch.nn.Module, folder: Path, manifest_target: Optional[dict], options) -> Path:
         return save_speculators(head, folder, verifier=export_verifier(options, manifest_target),
-                                speculative_tokens=options.speculative_tokens, manifest_target=manifest_target,
+                                num_speculative_tokens=options.num_speculative_tokens, manifest_target=manifest_target,
                                 dtype=options.dtype, include_embeddings=options.include_embeddings)
 
     return write

@@ -33,12 +33,14 @@ from draftsmith.heads.kit import DraftVocabHead, FusedInputLayer, PlainLayer, dr
 
 
 def peagle_config_from_target(target_config, draft_vocab_size: int, num_layers: int, mask_token_id: int,
-                              train_embeddings: bool = True) -> LlamaConfig:
-    """The head's config: the kit's (target-matching sizes) with `num_layers` layers and the mask token id."""
+                              train_embeddings: bool = True, num_depths: Optional[int] = None) -> LlamaConfig:
+    """The head's config: the kit's (target-matching sizes) with `num_layers` layers, the mask token id and
+    the depths it is trained for (`num_depths`: it drafts at most that many tokens; None = not known)."""
     config = draft_config_from_target(target_config, draft_vocab_size)
     config.num_hidden_layers = int(num_layers)
     config.mask_token_id = int(mask_token_id)
     config.train_embeddings = bool(train_embeddings)
+    config.num_depths = None if num_depths is None else int(num_depths)
     return config
 
 

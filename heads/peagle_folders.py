@@ -22,11 +22,13 @@ from typing import Optional
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.heads.folders import (CONFIG, EAGLE3_ARCHITECTURE, EMBED, SERVING_K, WEIGHTS, build_head,
+from draftsmith.engine import NUM_SPECULATIVE_TOKENS
+from draftsmith.heads.folders import (CONFIG, EAGLE3_ARCHITECTURE, EMBED, WEIGHTS, build_head,
                                       config_from_json, eagle3_architecture_config, export_writer, folder_hooks,
                                       folder_tensors, layer_shapes, llama_layer_config, read_checked_tensors,
                                       read_config_json, speculators_fields, speculators_writer,
                                       with_target_embeddings, write_head_folder)
+from draftsmith.heads.kit import default_aux_layer_ids
 from draftsmith.heads.peagle import PEagleHead
 
 PEAGLE_SPECULATORS_ARCHITECTURE = "PEagleDraftModel"
@@ -63,6 +65,8 @@ def peagle_config_json(head: PEagleHead, manifest_target: Optional[dict], dtype:
     out["parallel_drafting"] = True
     out["ptd_token_id"] = head.mask_token_id
     out["train_embeddings"] = bool(getattr(head.config, "train_embeddings", True))  # draftsmith's: how it was trained
+    if getattr(head.config, "num_depths", None) is not None:  # draftsmith's: eval drafts at most this many tokens
+        out["num_depths"] = int(head.config.num_depths)
     return out
 
 
@@ -97,6 +101,10 @@ def load_peagle(folder: str | os.PathLike, device="cpu", dtype: Optional[torch.d
     config.num_hidden_layers = int(raw["num_hidden_layers"])
     config.mask_token_id = int(raw["ptd_token_id"])
     config.train_embeddings = bool(raw.get("train_embeddings", True))
+    depths = raw.get("num_depths")  # absent in a folder another tool wrote: K is not bounded
+    if depths is not None and (not isinstance(depths, int) or isinstance(depths, bool) or depths < 1):
+        raise DraftsmithError(f"{folder / CONFIG} has num_depths={depths!r}; it must be a positive integer.")
+    config.num_depths = depths
     expected = peagle_tensor_shapes(config)
     tensors = read_checked_tensors(folder / WEIGHTS, expected, optional=(EMBED,))
     return build_head(PEagleHead, config, with_target_embeddings(tensors, expected, folder, target_embeddings),
@@ -105,27 +113,27 @@ def load_peagle(folder: str | os.PathLike, device="cpu", dtype: Optional[torch.d
 
 # ---- format=speculators: vLLM's speculators format, type peagle ----------------------------------------
 
-def speculators_peagle_config_json(head: PEagleHead, verifier: Optional[str], speculative_tokens: int,
+def speculators_peagle_config_json(head: PEagleHead, verifier: Optional[str], num_speculative_tokens: int,
                                    manifest_target: Optional[dict], dtype: torch.dtype) -> dict:
     """config.json for speculators' PEagleSpeculatorConfig (our layer: raw-h residual, no extra norms)."""
     config = head.config
     layer = {**llama_layer_config(config), "num_hidden_layers": config.num_hidden_layers,
              "architectures": ["LlamaForCausalLM"]}
-    return speculators_fields(config, PEAGLE_SPECULATORS_ARCHITECTURE, "peagle", layer, verifier, speculative_tokens,
+    return speculators_fields(config, PEAGLE_SPECULATORS_ARCHITECTURE, "peagle", layer, verifier, num_speculative_tokens,
                               manifest_target, dtype, bool(getattr(config, "train_embeddings", True)),
                               extra={"mask_token_id": head.mask_token_id})
 
 
 def save_speculators_peagle(head: PEagleHead, folder: str | os.PathLike, verifier: Optional[str] = None,
-                            speculative_tokens: int = SERVING_K, manifest_target: dict | None = None,
+                            num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS, manifest_target: dict | None = None,
                             dtype: Optional[torch.dtype] = None, include_embeddings: bool = True) -> Path:
     """Write the drafter in speculators' P-EAGLE format (atomically) and return the folder."""
-    if speculative_tokens < 1:
-        raise DraftsmithError(f"export.speculative_tokens={speculative_tokens} must be at least 1.")
+    if num_speculative_tokens < 1:
+        raise DraftsmithError(f"export.num_speculative_tokens={num_speculative_tokens} must be at least 1.")
     dtype = dtype or head.fc.weight.dtype
     tensors = peagle_tensors(head, dtype, include_embeddings)
     tensors[MASK] = tensors[MASK][None]  # (1, 1, 3H_t): speculators' parameter shape
-    config = speculators_peagle_config_json(head, verifier, speculative_tokens, manifest_target, dtype)
+    config = speculators_peagle_config_json(head, verifier, num_speculative_tokens, manifest_target, dtype)
     return write_head_folder(Path(folder), tensors, config, head.config.draft_vocab_size, manifest_target, "export",
                              "speculators")
 
@@ -135,21 +143,23 @@ def save_speculators_peagle(head: PEagleHead, folder: str | os.PathLike, verifie
 claims = is_peagle_folder
 
 
+# the target layers it reads (low, middle, high), captured by data-gen and computed by train / eval's runner
+target_layer_ids = default_aux_layer_ids
 load, save = folder_hooks(load_peagle, save_peagle)
 FORMATS = {"peagle": export_writer(save_peagle), "speculators": speculators_writer(save_speculators_peagle)}
 
 
 def card(options: dict, formats: list[str], commands: dict) -> dict:
     """P-EAGLE's parts of the card: what it is, tags, the vLLM command, files (`options`: the training run's method
-    options; `commands`: the engines' serving commands)."""
+    options, its defaults filled in by publish; `commands`: the engines' serving commands)."""
     return {
         "title": "A P-EAGLE (parallel drafting) head",
-        "method": (f"P-EAGLE: an EAGLE-3-style drafter with {options.get('num_layers', 'several')} decoder layers, fed "
+        "method": (f"P-EAGLE: an EAGLE-3-style drafter with {options['num_layers']} decoder layers, fed "
                    "by the target's hidden states from three layers, that drafts all K tokens in one forward: the "
                    "positions after the last accepted one take a mask token and a learned `mask_hidden` vector in "
                    "place of target features. Trained with depth sampling (depth d kept for a fraction "
-                   f"max({options.get('down_sample_ratio', 0.7)}^d, {options.get('down_sample_ratio_min', 0.2)}) "
-                   f"of the positions, {options.get('depths', 8)} depths) on the target's own answers; it drafts "
+                   f"max({options['down_sample_ratio']}^d, {options['down_sample_ratio_min']}) "
+                   f"of the positions, {options['depths']} depths) on the target's own answers; it drafts "
                    "over a reduced vocabulary mapped to the target's by `d2t` / `t2d`."),
         "tags": ["peagle", "eagle3", "parallel-drafting", "speculative-decoding", "draft-model", "draftsmith", "vllm"]
                 + (["speculators"] if "speculators" in formats else []),

@@ -44,6 +44,7 @@ from draftsmith.artifacts import atomic_write_bytes, atomic_write_json
 from draftsmith.configs import compose
 from draftsmith.data_gen.run import run as data_gen_run
 from draftsmith.data_gen.target import load_target
+from draftsmith.engine import NUM_SPECULATIVE_TOKENS
 from draftsmith.eval.run import run as eval_run
 from draftsmith.train.checkpoint import list_checkpoints
 from draftsmith.train.run import run as train_run
@@ -97,7 +98,7 @@ class DemoConfig:
     gen_batch_size: Optional[int] = None  # data-gen's backend.batch_size (rows decoded together)
     eval_max_new_tokens: Optional[int] = None  # answer length in eval
     repeats: Optional[int] = None  # eval timing repeats
-    num_speculative_tokens: int = 3  # few: a demo-sized head accepts little past the first draft
+    num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS  # K (3: a demo-sized head accepts little past the first)
     progress: bool = True  # show progress bars
 
     def __post_init__(self):

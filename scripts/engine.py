@@ -21,10 +21,29 @@ import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from draftsmith import DraftsmithError
+
+@dataclass(frozen=True)
+class Engines:
+    """What the serving engines call a method: its row in draftsmith.methods holds one (n-gram's is eval's).
+
+    eval/cost.py `serving_settings` turns it into vLLM's --speculative-config and SGLang's flags; nothing else
+    knows the engines' names for a method."""
+
+    vllm: Optional[str]  # vLLM --speculative-config "method"; None: vLLM cannot serve it
+    sglang: Optional[str] = None  # SGLang --speculative-algorithm; None: SGLang cannot serve it
+    vllm_options: tuple[tuple[str, Any], ...] = ()  # further --speculative-config keys, as (key, value) pairs
+    draft_folder: bool = True  # the engines load the method's folder as the draft (False: prompt lookup, no folder)
+
+
+# K, the number of drafted tokens per cycle: the one default of eval (drafting.num_speculative_tokens), export and
+# publish (the speculators greedy proposal, the serving commands without an eval report) and the demo. vLLM and
+# SGLang call it num_speculative_tokens too.
+NUM_SPECULATIVE_TOKENS = 3
 
 PYTHON_ENV = "DRAFTSMITH_VLLM_PYTHON"  # the engine venv's python (default: .venv-vllm/bin/python)
 REQUIRE_ENV = "DRAFTSMITH_REQUIRE_ENGINE"  # 1: a missing engine fails the engine tests instead of skipping

@@ -18,7 +18,8 @@ from omegaconf.errors import MissingMandatoryValue
 from draftsmith import DraftsmithError, checks
 from draftsmith.artifacts import MANIFEST, claim_output, owns, prepare_output, read_manifest
 from draftsmith.data_gen.target import DTYPES, KNOWN_TARGETS, PRESETS, torch_dtype
-from draftsmith.heads.folders import CONFIG, SERVING_K
+from draftsmith.engine import NUM_SPECULATIVE_TOKENS
+from draftsmith.heads.folders import CONFIG
 from draftsmith.methods import export_formats, method_for_folder
 
 
@@ -29,7 +30,7 @@ class ExportConfig:
     out: Optional[str] = None  # output folder; default: beside the head, `<head>-<format>`
     # speculators: the verifier's HF id or folder (default: the target id in the head's manifest)
     verifier: Optional[str] = None
-    speculative_tokens: int = SERVING_K  # speculators: the greedy proposal's default length
+    num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS  # K; speculators: the greedy proposal's length
     dtype: str = "bfloat16"  # dtype of the written weights: bfloat16 | float16 | float32
     include_embeddings: bool = True  # False: engines share the target's embeddings
     overwrite: bool = False  # true: replace an out folder that is not an earlier export (never the head's)
@@ -39,7 +40,7 @@ class ExportConfig:
             raise DraftsmithError("export.head is not set: pass head=<folder written by draftsmith train>.")
         if self.format is not None:
             checks.one_of("format", self.format, export_formats())
-        checks.at_least("speculative_tokens", self.speculative_tokens, 1)
+        checks.at_least("num_speculative_tokens", self.num_speculative_tokens, 1)
         checks.one_of("dtype", self.dtype, DTYPES)
 
 
@@ -79,7 +80,7 @@ def run(cfg) -> Path:
     if not owns(out, "export"):
         claim_output(out, "export")  # the atomic swap below then replaces only our own folder
     verifier = cfg.verifier or (default_verifier((target or {}).get("target_id")) if fmt == "speculators" else None)
-    options = ExportOptions(torch_dtype(cfg.dtype), cfg.include_embeddings, verifier, cfg.speculative_tokens)
+    options = ExportOptions(torch_dtype(cfg.dtype), cfg.include_embeddings, verifier, cfg.num_speculative_tokens)
     return method.formats[fmt](drafter, out, target, options)
 
 
@@ -112,4 +113,4 @@ class ExportOptions:
     dtype: torch.dtype
     include_embeddings: bool
     verifier: Optional[str]
-    speculative_tokens: int
+    num_speculative_tokens: int

@@ -10,7 +10,9 @@ A method has the same files in each stage, each with the same hooks; its row onl
     heads/<m>_folders.py         ARCHITECTURES, load(folder, target) -> drafter, save(drafter, folder, identity),
                                  FORMATS {format: writer(drafter, folder, manifest_target, options) -> Path},
                                  card(options, formats, commands) -> the model card's parts;
-                                 optional: claims(config.json) -> bool, FOREIGN_ARCHITECTURES {arch: why not here}
+                                 optional: claims(config.json) -> bool, FOREIGN_ARCHITECTURES {arch: why not here},
+                                 target_layer_ids(num_layers) -> the target layers whose hidden states it reads
+                                 (data-gen captures them, train and eval compute them; absent: it reads none)
     train/<m>.py                 Config (the `method=<m>` options dataclass), new_drafter(target, cfg, train, resume),
                                  training(drafter, target, cfg, mode, autocast) -> (module, prepare),
                                  summarize(stats) -> dict, OFFLINE_DATA (what mode=offline reads)
@@ -20,7 +22,8 @@ A method has the same files in each stage, each with the same hooks; its row onl
 A row names the modules (imported when a stage first asks for a hook, so `draftsmith eval` never imports
 training code and `draftsmith train` never imports eval's); a method defined outside draftsmith registers
 its row with `register`. A row without `training` can be evaluated (its folders loaded and drafted with) but
-not trained.
+not trained. A row's `engines` (draftsmith.engine.Engines) are vLLM's and SGLang's names for the method: eval's
+recommended serving settings and publish's card come from them (eval/cost.py `serving_settings`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any, Callable, Optional, Protocol
 from omegaconf import OmegaConf
 
 from draftsmith import DraftsmithError
+from draftsmith.engine import Engines
 
 
 # ---- the hooks each module holds ------------------------------------------------------------------------
@@ -48,6 +52,7 @@ class Folders(Protocol):
     def load(self, folder: Path, target: Any = None) -> Any: ...  # checked against the target when given
     def save(self, drafter: Any, folder: Path, identity: dict) -> Path: ...
     def card(self, options: dict, formats: list[str], commands: dict) -> dict: ...
+    # optional: def target_layer_ids(self, num_layers: int) -> list[int]: ...  (a drafter fed by target features)
 
 
 class Training(Protocol):
@@ -69,12 +74,13 @@ class Proposing(Protocol):
 
 @dataclass(frozen=True)
 class Method:
-    """One row: the method's name and the modules holding its hooks (import names)."""
+    """One row: the method's name, the modules holding its hooks (import names) and what the engines call it."""
 
     name: str
     folders: str  # heads/<m>_folders.py
     proposers: str  # eval/proposers/<m>.py
     training_module: Optional[str] = None  # train/<m>.py; None = not trainable
+    engines: Engines = Engines(vllm=None)  # vLLM's and SGLang's names for it (eval's report, publish's card)
 
     def _module(self, name: str) -> ModuleType:
         return importlib.import_module(name)
@@ -99,6 +105,11 @@ class Method:
     @property
     def claims(self) -> Optional[Callable[[dict], bool]]:
         return getattr(self.heads, "claims", None)
+
+    @property
+    def target_layer_ids(self) -> Optional[Callable[[int], list[int]]]:
+        """num_layers -> the target layers the drafter reads (its request to data-gen, train and eval); None: none."""
+        return getattr(self.heads, "target_layer_ids", None)
 
     @property
     def formats(self) -> dict[str, Callable]:
@@ -142,16 +153,18 @@ class Method:
 
 ROWS = (
     Method("eagle3", folders="draftsmith.heads.eagle3_folders", proposers="draftsmith.eval.proposers.eagle3",
-           training_module="draftsmith.train.eagle3"),
+           training_module="draftsmith.train.eagle3", engines=Engines(vllm="eagle3", sglang="EAGLE3")),
     # P-EAGLE's folders share EAGLE-3's architecture (`LlamaForCausalLMEagle3`, as vLLM wants): it claims those
-    # with "parallel_drafting": true
+    # with "parallel_drafting": true. vLLM serves it as eagle3 with parallel drafting; SGLang has no P-EAGLE.
     Method("peagle", folders="draftsmith.heads.peagle_folders", proposers="draftsmith.eval.proposers.peagle",
-           training_module="draftsmith.train.peagle"),
+           training_module="draftsmith.train.peagle",
+           engines=Engines(vllm="eagle3", vllm_options=(("parallel_drafting", True),))),
+    # DFlash: vLLM's method dflash (the folder's DFlashDraftModel); SGLang's DFLASH flags are not confirmed here
     Method("dflash", folders="draftsmith.heads.dflash_folders", proposers="draftsmith.eval.proposers.dflash",
-           training_module="draftsmith.train.dflash"),
+           training_module="draftsmith.train.dflash", engines=Engines(vllm="dflash")),
     # the catch-all (ARCHITECTURES = ()): any HF causal-LM folder is evaluated as a draft model
     Method("draft", folders="draftsmith.heads.draft_folders", proposers="draftsmith.eval.proposers.draft",
-           training_module="draftsmith.train.draft"),
+           training_module="draftsmith.train.draft", engines=Engines(vllm="draft_model", sglang="STANDALONE")),
 )
 METHODS: dict[str, Method] = {row.name: row for row in ROWS}
 

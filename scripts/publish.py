@@ -21,6 +21,7 @@ on the Hub now, and how to retry.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import os
@@ -36,10 +37,11 @@ from draftsmith import DraftsmithError, checks
 from draftsmith.artifacts import (MANIFEST, OWNER, RECORD, atomic_folder, atomic_write_bytes, atomic_write_json,
                                           claim_output, prepare_output, read_manifest, read_record)
 from draftsmith.data_gen.target import DTYPES, KNOWN_TARGETS, PRESETS, torch_dtype
+from draftsmith.engine import NUM_SPECULATIVE_TOKENS, Engines
 from draftsmith.eval.cost import serving_settings
 from draftsmith.export import ExportOptions, is_set
-from draftsmith.heads.folders import SERVING_K, WEIGHTS, check_weights_file, weights_sha256
-from draftsmith.methods import export_formats, method_for_folder
+from draftsmith.heads.folders import WEIGHTS, check_weights_file, weights_sha256
+from draftsmith.methods import export_formats, method_for_folder, read_folder_config
 
 REPO_ID_RULE = "<owner>/<name>, letters, digits, '-', '_' and '.', at most 96 characters"
 
@@ -60,7 +62,7 @@ class PublishConfig:
     dry_run: bool = False  # true: write the folder only, upload nothing
     out: Optional[str] = None  # the folder that is uploaded; default: beside the head, `<head>-hub`
     # K in the serving commands and the speculators config; null = the eval report's, else 3
-    speculative_tokens: Optional[int] = None
+    num_speculative_tokens: Optional[int] = None
     dtype: str = "bfloat16"  # dtype of the published weights: bfloat16 | float16 | float32
     include_embeddings: bool = True  # false: engines share the target's embeddings
     overwrite: bool = False  # true: replace an out folder that is not an earlier publish folder (never the head's)
@@ -78,7 +80,7 @@ class PublishConfig:
                 checks.one_of("formats", fmt, export_formats())
             if len(set(formats)) != len(formats):
                 raise DraftsmithError(f"formats={formats} names a format twice.")
-        checks.at_least("speculative_tokens", self.speculative_tokens, 1, null="the eval report's K")
+        checks.at_least("num_speculative_tokens", self.num_speculative_tokens, 1, null="the eval report's K")
         checks.one_of("dtype", self.dtype, DTYPES)
         checks.positive("hub_timeout", self.hub_timeout)
 
@@ -196,13 +198,14 @@ def local_license(target_id: str) -> Optional[str]:
 # What the card says
 
 
-def card_commands(method: str, base_model: str, repo_id: str, k: int, report: Optional[dict]) -> dict:
+def card_commands(method: str, engines: Engines, base_model: str, repo_id: str, k: int,
+                  report: Optional[dict]) -> dict:
     """The card's serving commands, one flag per line: eval's `serving_settings` (the one place that knows the
     engines' flags) for the drafting mode the eval report measured; an engine that cannot serve `method` is left
     out."""
     drafting = (report or {}).get("drafting") or {}
     tree = drafting.get("mode") == "tree"
-    settings = serving_settings(method, base_model, repo_id, k, "tree" if tree else "chain",
+    settings = serving_settings(method, engines, base_model, repo_id, k, "tree" if tree else "chain",
                                 tree_top_k=int(drafting.get("tree_top_k", 1)),
                                 tree_size=int(drafting["tree_budget"]) if tree and drafting.get("tree_budget") else None,
                                 line_break=True)
@@ -318,15 +321,33 @@ def method_section(summary: dict, parts: dict) -> list[str]:
     return lines + [""]
 
 
+def method_defaults(method) -> dict:
+    """The method's training options at their defaults (its Config dataclass): the card states what a run left
+    at its default from the one place that default is written."""
+    if method.config is None:
+        return {}
+    out = {}
+    for f in dataclasses.fields(method.config):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # a nested options dataclass (a draft model's lora)
+            value = f.default_factory()
+            out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+    return out
+
+
 def build_card(cfg, base_model: str, license: str, report: Optional[dict], summary: dict, k: int,
-               formats: list[str], plot: bool, method) -> str:
+               formats: list[str], plot: bool, method, num_layers: Optional[int] = None) -> str:
     """README.md: Hub metadata (base_model, license, library_name, tags, pipeline_tag, model-index) + the card."""
     from huggingface_hub import ModelCard, ModelCardData
 
     name = cfg.repo_id.split("/")[1]
     train = summary.get("train", {})
-    options = train.get("method") if isinstance(train.get("method"), dict) else {}
-    parts = method.card(options, formats, card_commands(method.name, base_model, cfg.repo_id, k, report))
+    # what the run recorded, over the method's defaults; the layer count is the folder's own (num_layers: its
+    # config.json), never a default the head may not have
+    options = {**method_defaults(method), **({"num_layers": num_layers} if num_layers is not None else {}),
+               **(train.get("method") if isinstance(train.get("method"), dict) else {})}
+    parts = method.card(options, formats, card_commands(method.name, method.engines, base_model, cfg.repo_id, k, report))
     commands = parts["commands"]
     data = ModelCardData(base_model=base_model, license=license, library_name=cfg.library_name, tags=parts["tags"],
                          pipeline_tag="text-generation", model_name=name,
@@ -451,7 +472,7 @@ def write_formats(folder: Path, tmp: Path, formats: list[str], cfg, base_model: 
     """Export the head into tmp with its method's writers: the first format at the root, the others in subfolders."""
     head = method.load(folder)
     target = read_manifest(folder).get("target") if (folder / MANIFEST).is_file() else None
-    options = ExportOptions(torch_dtype(cfg.dtype), cfg.include_embeddings, verifier=base_model, speculative_tokens=k)
+    options = ExportOptions(torch_dtype(cfg.dtype), cfg.include_embeddings, verifier=base_model, num_speculative_tokens=k)
     for i, fmt in enumerate(formats):
         sub = tmp / (f".{fmt}-root" if i == 0 else fmt)
         method.formats[fmt](head, sub, target, options)
@@ -482,7 +503,8 @@ def write_publish_folder(cfg, out: Path, folder: Path, report: Optional[tuple[di
                     shutil.copyfile(where / name, tmp / "eval" / name)
             plot = (tmp / "eval" / "report.png").is_file()
         summary = training_summary(folder, method.offline_data)
-        card = build_card(cfg, base_model, license, report[0] if report else None, summary, k, formats, plot, method)
+        card = build_card(cfg, base_model, license, report[0] if report else None, summary, k, formats, plot, method,
+                          read_folder_config(folder).get("num_hidden_layers"))
         atomic_write_bytes(tmp / "README.md", card.encode())
         if public is not None:
             public.rewrite(tmp)
@@ -627,7 +649,8 @@ def run(cfg) -> dict:
     report = matching_report(cfg, folder)
     target = read_manifest(folder).get("target", {}) if (folder / MANIFEST).is_file() else {}
     base_model, license = resolve_base_model(cfg, target)
-    k = cfg.speculative_tokens or (report[0]["drafting"]["num_speculative_tokens"] if report else SERVING_K)
+    k = cfg.num_speculative_tokens or (report[0]["drafting"]["num_speculative_tokens"] if report
+                                      else NUM_SPECULATIVE_TOKENS)
     if not cfg.dry_run and hub_offline():
         raise DraftsmithError(OFFLINE)
     if not cfg.dry_run and not has_token():

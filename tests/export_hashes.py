@@ -73,13 +73,13 @@ def hash_exports(heads: Path, out_json: Path) -> dict:
                 for embed in ("true", "false"):
                     name = f"{method}-{fmt}-{dtype}-embed_{embed}"
                     cli("export", f"head={heads / method}", f"format={fmt}", f"out={work / name}", f"dtype={dtype}",
-                        f"include_embeddings={embed}", "speculative_tokens=4")
+                        f"include_embeddings={embed}", "num_speculative_tokens=4")
         name = f"{method}-publish"
         cli("publish", f"head={heads / method}", "repo_id=someone/tiny-head", "dry_run=true", "allow_no_eval=true",
             "base_model=someone/tiny", "license=apache-2.0", f"out={work / name}")
         name = f"{method}-publish-k5"
         cli("publish", f"head={heads / method}", "repo_id=someone/tiny-head", "dry_run=true", "allow_no_eval=true",
-            "base_model=someone/tiny", "license=apache-2.0", "speculative_tokens=5", f"out={work / name}")
+            "base_model=someone/tiny", "license=apache-2.0", "num_speculative_tokens=5", f"out={work / name}")
     for path in sorted(work.rglob("*")):
         if path.is_file():
             hashes[str(path.relative_to(work))] = sha256(path)

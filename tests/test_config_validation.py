@@ -72,7 +72,9 @@ REFUSED = [
     # export, demo
     ("export", ["format=bogus"], "format=bogus is not one of eagle3, speculators"),
     ("export", ["dtype=bogus"], "dtype=bogus is not one of"),
-    ("export", ["speculative_tokens=0"], "speculative_tokens=0 must be at least 1"),
+    ("export", ["num_speculative_tokens=0"], "num_speculative_tokens=0 must be at least 1"),
+    ("export", ["speculative_tokens=4"], "option speculative_tokens of draftsmith export is now num_speculative_tokens"),
+    ("publish", ["speculative_tokens=4"], "option speculative_tokens of draftsmith publish is now num_speculative_tokens"),
     ("demo", ["flavour=bogus"], "flavour=bogus is not one of smollm2, smollm2-fixed, smollm2-long, tiny"),
     ("demo", ["train_steps=0"], "train_steps=0 must be at least 1"),
     ("demo", ["num_speculative_tokens=0"], "num_speculative_tokens=0 must be in [1, 64]"),

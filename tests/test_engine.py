@@ -14,6 +14,7 @@ import pytest
 from draftsmith import DraftsmithError, engine
 from draftsmith.eval import engine_vllm as ev_engine
 from draftsmith.eval.metrics import Sample
+from test_eval_cost import engines_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -214,11 +215,13 @@ def test_agreement_equal_and_not():
 
 
 def test_speculative_configs_are_the_served_ones():
-    assert ev_engine.speculative_config("eagle3", "h", 3) == {"method": "eagle3", "model": "h",
-                                                              "num_speculative_tokens": 3}
-    assert ev_engine.speculative_config("peagle", "h", 3)["parallel_drafting"] is True
-    assert ev_engine.speculative_config("draft", "h", 2)["method"] == "draft_model"
-    assert ev_engine.speculative_config("ngram", None, 3, 1, 3) == {
+    def config(method, *args):
+        return ev_engine.speculative_config(method, engines_of(method), *args)
+
+    assert config("eagle3", "h", 3) == {"method": "eagle3", "model": "h", "num_speculative_tokens": 3}
+    assert config("peagle", "h", 3)["parallel_drafting"] is True
+    assert config("draft", "h", 2)["method"] == "draft_model"
+    assert config("ngram", None, 3, 1, 3) == {
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 

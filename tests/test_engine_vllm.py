@@ -31,6 +31,7 @@ from draftsmith.eval import engine_vllm as ev_engine
 from draftsmith.eval import run as ev
 from draftsmith.export import run as export
 from draftsmith.train.run import run as train
+from test_eval_cost import engines_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]
 
@@ -118,7 +119,7 @@ def engine_run(name: str, folder, k: int = K, parallel: bool | None = None) -> d
     if name.startswith("speculators") or name.startswith("peagle_speculators"):
         return {"name": name, "k": k, "model": str(folder), "speculative_config": None}
     method = {"peagle": "peagle", "draft": "draft", "ngram": "ngram"}.get(name.split("_")[0], "eagle3")
-    spec = ev_engine.speculative_config(method, None if method == "ngram" else str(folder), k)
+    spec = ev_engine.speculative_config(method, engines_of(method), None if method == "ngram" else str(folder), k)
     if parallel is False:
         spec.pop("parallel_drafting", None)
     return {"name": name, "k": k, "speculative_config": spec}

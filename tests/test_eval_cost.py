@@ -11,6 +11,8 @@ import torch
 
 from draftsmith.eval import cost, decoder
 from draftsmith.eval.decoder import Draft, DraftingConfig, speculative_generate
+from draftsmith.eval.proposers.ngram import NGRAM_ENGINES
+from draftsmith.methods import METHODS
 from draftsmith.sampling import SamplingConfig
 
 V = 50
@@ -140,10 +142,17 @@ VLLM_KEYS = {"method", "model", "num_speculative_tokens", "parallel_drafting", "
 VLLM_METHODS = {"eagle3", "draft_model", "ngram"}
 
 
+def engines_of(method: str):
+    """What the engines call `method`: its row's Engines (ngram+<m> is served as <m>; ngram is eval's own)."""
+    base = method.split("+")[-1]
+    return NGRAM_ENGINES if base == "ngram" else METHODS[base].engines
+
+
 @pytest.mark.parametrize("method,mode", [("eagle3", "chain"), ("eagle3", "tree"), ("peagle", "chain"),
                                          ("draft", "chain"), ("ngram", "chain"), ("ngram+eagle3", "chain")])
 def test_recommended_settings_parse_as_the_engines_flags(method, mode):
-    s = cost.serving_settings(method, "HuggingFaceTB/SmolLM2-135M-Instruct", "runs/head/final", 3, mode,
+    s = cost.serving_settings(method, engines_of(method), "HuggingFaceTB/SmolLM2-135M-Instruct", "runs/head/final", 3,
+                              mode,
                               tree_top_k=4, tree_size=12)
     argv = shlex.split(s["vllm"]["command"])
     assert argv[:3] == ["vllm", "serve", "HuggingFaceTB/SmolLM2-135M-Instruct"] and argv[3] == "--speculative-config"

@@ -196,7 +196,7 @@ def test_cli_export_both_formats(tiny_target, tmp_path, capsys):
     main(["export", f"head={head_folder}", "format=dflash", f"out={tmp_path / 'v'}"])
     assert json.loads((tmp_path / "v" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
     assert tensors_of(tmp_path / "v")["lm_head.weight"].dtype == torch.bfloat16  # export default
-    main(["export", f"head={head_folder}", "format=speculators", f"out={tmp_path / 's'}", "speculative_tokens=2"])
+    main(["export", f"head={head_folder}", "format=speculators", f"out={tmp_path / 's'}", "num_speculative_tokens=2"])
     config = json.loads((tmp_path / "s" / "config.json").read_text())
     assert config["architectures"] == ["DFlashSpeculator"] and config["speculators_model_type"] == "dflash"
     assert config["mask_token_id"] == tiny_target.vocab_size - 1 and config["block_size"] == BLOCK
@@ -281,3 +281,16 @@ def test_publish_card_serves_it_with_vllm_method_dflash(tiny_target, tmp_path):
     assert f"--speculative-config '{spec}'" in text
     assert "sglang.launch_server" not in text and "serve this head with vLLM" in text
     assert "dflash" in text and "DFlash" in text
+
+
+def test_beside_a_target_the_folder_must_read_the_layers_it_computes(tiny_target, tmp_path):
+    from draftsmith.data_gen.target import TargetConfig, load_target
+    from draftsmith.methods import methods
+
+    entry = methods()["dflash"]
+    assert entry.target_layer_ids(tiny_target.num_layers) == tiny_target.aux_layer_ids  # what data-gen captures
+    folder = save_dflash(random_dflash(tiny_target), tmp_path / "d")
+    assert entry.load(folder, tiny_target).config.aux_layer_ids == tiny_target.aux_layer_ids
+    other = load_target(TargetConfig(name="tiny", aux_layer_ids=[0, 0, 0]))
+    with pytest.raises(DraftsmithError, match=r"reads target layers .* but the target computes \[0, 0, 0\]"):
+        entry.load(folder, other)

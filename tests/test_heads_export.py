@@ -27,7 +27,7 @@ def tensors_of(folder) -> dict[str, torch.Tensor]:
 
 def test_cli_export_speculators(head_folder, tmp_path, tiny_target, capsys):
     out = tmp_path / "spec"
-    main(["export", f"head={head_folder}", "format=speculators", f"out={out}", "speculative_tokens=5"])
+    main(["export", f"head={head_folder}", "format=speculators", f"out={out}", "num_speculative_tokens=5"])
     assert f"to {out}" in capsys.readouterr().out
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Eagle3DraftModel"]

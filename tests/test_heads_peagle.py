@@ -115,7 +115,7 @@ def test_cli_export_both_formats(tiny_target, tmp_path, capsys):
     main(["export", f"head={head_folder}", "format=peagle", f"out={tmp_path / 'v'}"])
     assert json.loads((tmp_path / "v" / "config.json").read_text())["parallel_drafting"] is True
     assert tensors_of(tmp_path / "v")["lm_head.weight"].dtype == torch.bfloat16  # export default
-    main(["export", f"head={head_folder}", "format=speculators", f"out={tmp_path / 's'}", "speculative_tokens=5"])
+    main(["export", f"head={head_folder}", "format=speculators", f"out={tmp_path / 's'}", "num_speculative_tokens=5"])
     config = json.loads((tmp_path / "s" / "config.json").read_text())
     assert config["architectures"] == ["PEagleDraftModel"] and config["speculators_model_type"] == "peagle"
     assert config["mask_token_id"] == tiny_target.vocab_size - 1 and config["embed_requires_grad"] is True

@@ -228,7 +228,7 @@ def test_publish_dry_run_writes_a_draft_model_folder_and_card(target, tiny_data,
 
     result = run(_cfg(tiny_data, tmp_path / "out", DraftConfig(num_layers=2, loss="jsd"), max_steps=2))
     main(["publish", f"head={tmp_path / 'out'}", "repo_id=me/tiny-draft", f"out={tmp_path / 'hub'}", "dry_run=true",
-          "allow_no_eval=true", "license=mit", "base_model=a/b", "speculative_tokens=4"])
+          "allow_no_eval=true", "license=mit", "base_model=a/b", "num_speculative_tokens=4"])
     hub = tmp_path / "hub"
     model = AutoModelForCausalLM.from_pretrained(hub)
     assert model.config.num_hidden_layers == 2 and model.dtype == torch.bfloat16

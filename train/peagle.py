@@ -199,7 +199,7 @@ def new_peagle(target, cfg: PEagleConfig, train, resume: Optional[Path]) -> PEag
                               f"(0..{target.vocab_size - 1}).")
     d2t, t2d = vocab_map_for(target, cfg.draft_vocab_size, train, resume)
     head = PEagleHead(peagle_config_from_target(target.model.config, d2t.numel(), cfg.num_layers, mask_id,
-                                                cfg.train_embeddings))
+                                                cfg.train_embeddings, cfg.depths))
     head.init_from_target(target.model, d2t, t2d)
     return head
 

@@ -176,7 +176,7 @@ def run(cfg) -> dict:
     rank, world = init_distributed(trainer)
 
     # prepare: the target, the data, the plan
-    target = load_target(cfg.target)
+    target = load_target(cfg.target, layers=method.target_layer_ids)  # the features the drafter reads
     identity = target.identity()
     train, val, mode = load_data(cfg.data, identity, cfg.mode, cfg.max_length, cfg.val_samples, method.offline_data)
     if cfg.train_samples is not None:  # a prefix of the training rows (learning curves; the held-out rows stay)

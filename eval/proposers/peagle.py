@@ -59,6 +59,11 @@ class PEagleProposer:
     @torch.inference_mode()
     def propose(self, drafting: DraftingConfig, sampling: SamplingConfig, generator=None) -> Draft:
         k = drafting.num_speculative_tokens
+        depths = getattr(self.head.config, "num_depths", None)
+        if depths is not None and k > depths:  # its deeper mask slots were never trained: refuse, do not guess
+            raise DraftsmithError(f"K={k} (drafting.num_speculative_tokens or sweep_k) is more than the {depths} "
+                                  f"depths this P-EAGLE head was trained for (num_depths in its config.json); "
+                                  f"draft at most {depths} tokens, or train with method.depths={k}.")
         logits = self._forward(k)  # (k, Vd): row d drafts x_{L+d}
         if sampling.greedy:
             own = logits.argmax(-1)
