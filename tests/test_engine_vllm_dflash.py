@@ -16,7 +16,7 @@ broken copy (target layers shifted by one; a causal folder) must fail the τ che
 from __future__ import annotations
 
 import pytest
-from test_engine_vllm import COMMON, MAX_TOKENS, N_PROMPTS, TRAIN, edited_copy
+from test_engine_vllm import COMMON, N_PROMPTS, TRAIN, edited_copy
 
 from draftsmith import engine
 from draftsmith.configs import compose
@@ -30,6 +30,11 @@ from draftsmith.train.run import run as train
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]
 
 K = 3
+# 96, not the other engine test's 48: a DFlash head this well trained accepts most drafts, so each prompt's last
+# verification (vLLM drafts K there and drops what is past max_tokens; the built-in decoder shortens the draft)
+# moved the pooled τ by 0.024 over 48 tokens, above eval/engine_vllm.py's TOLERANCE, with every other
+# verification identical (NOTES-issue22.md); twice the tokens halves its weight
+MAX_TOKENS = 96
 WORKING = ("dflash", "dflash_speculators")
 BROKEN = ("dflash_target_layers_shifted", "dflash_mask_token_wrong")
 # run and reported, not asserted: with a head this weakly trained, the mask queries barely attend to one another, so
@@ -45,7 +50,7 @@ def exports(engine_ready, tmp_path_factory, smollm2_target):
     root = tmp_path_factory.mktemp("engine-dflash")
     data = root / "data"
     data_gen(compose("data_gen", COMMON + ["prompts=self", "prompts.n=16", "max_new_tokens=64", f"out={data}"]))
-    train(compose("train", COMMON + TRAIN + ["method=dflash", "epochs=24", "method.num_layers=2",
+    train(compose("train", COMMON + TRAIN + ["method=dflash", "epochs=16", "method.num_layers=2",
                                              f"method.block_size={K + 1}", "method.draft_vocab_size=8192",
                                              f"data={data}", f"out={root / 'dflash'}"]))
     verifier = ev_engine.served_target(smollm2_target)
