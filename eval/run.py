@@ -28,8 +28,8 @@ from transformers import PreTrainedModel
 
 from draftsmith import DraftsmithError, machine
 from draftsmith import artifacts as mf
-from draftsmith.engine import Engines
 from draftsmith.data_gen.target import KNOWN_TARGETS, Target, load_target, resolve_target_dtype
+from draftsmith.engine import Engines
 from draftsmith.eval import cost, metrics
 from draftsmith.eval.config import EvalConfig, build_settings
 from draftsmith.eval.decoder import DraftingConfig, GenerationResult, Proposer, speculative_generate

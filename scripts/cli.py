@@ -18,6 +18,7 @@ import re
 import sys
 
 from draftsmith import procenv
+from draftsmith.methods import trainable  # the table's names only: nothing of a method (nor torch) is imported
 
 # subcommand -> (module holding `run(cfg)`, config name under draftsmith/configs)
 SUBCOMMANDS = {
@@ -29,13 +30,13 @@ SUBCOMMANDS = {
     "demo": ("draftsmith.demo", "demo"),
 }
 
-USAGE = """usage: draftsmith <command> [key=value ...]   (Hydra overrides; --cfg job prints the config)
+USAGE = f"""usage: draftsmith <command> [key=value ...]   (Hydra overrides; --cfg job prints the config)
        draftsmith <command> --help   (every option with its default)
        draftsmith --version
 
 commands:
   data-gen   prompts -> the target's own conversations -> tokenized set (+ hidden states)
-  train      train a drafter (method=eagle3 | peagle | dflash | draft) on a data-gen output
+  train      train a drafter (method={' | '.join(trainable())}) on a data-gen output
   eval       measure acceptance length and real speedup with the built-in lossless decoder
   export     write a trained head in the vLLM / SGLang or speculators format
   publish    push a head to the Hugging Face Hub with a model card measured by eval

@@ -90,7 +90,8 @@ def test_ngram_chain_report(questions, tmp_path):
 
 def test_eagle3_chain_and_tree(questions, tmp_path):
     head = save_tiny_head(tmp_path / "head")
-    report = run(eval_cfg(questions, tmp_path / "chain", f"head={head}", "baselines=[ngram]"))
+    report = run(eval_cfg(questions, tmp_path / "chain", f"head={head}", "baselines=[ngram]",
+                          "drafting.num_speculative_tokens=5"))
     check_report(report, tmp_path / "chain")
     assert report["method"] == "eagle3" and "ngram" in report["baselines"]
     acc = report["per_position_acceptance"]
