@@ -28,9 +28,10 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.heads.dflash import DFlashHead, dflash_config_from_target
-from draftsmith.heads.folders import (CONFIG, EMBED, WEIGHTS, build_head, folder_hooks, folder_tensors, layer_shapes,
-                                      llama_layer_config, read_checked_tensors, read_config_json, speculators_config,
-                                      SPECULATORS_VERSION, with_target_embeddings, write_head_folder, export_verifier)
+from draftsmith.heads.folders import (CONFIG, EMBED, SPECULATORS_VERSION, WEIGHTS, build_head, export_verifier,
+                                      folder_hooks, folder_tensors, layer_shapes, llama_layer_config,
+                                      read_checked_tensors, read_config_json, speculators_config,
+                                      with_target_embeddings, write_head_folder)
 from draftsmith.heads.kit import DEFAULT_ROPE_THETA, default_aux_layer_ids
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"  # vLLM's registry: qwen3_dflash.DFlashQwen3ForCausalLM

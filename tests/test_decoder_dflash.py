@@ -117,6 +117,17 @@ def test_stop_below_shortens_the_chain_only():
     assert min(sizes_far_from_the_end(dynamic)) < K  # some chains were cut by stop_below
 
 
+def test_more_tokens_than_a_trained_block_is_refused():
+    from draftsmith import DraftsmithError
+
+    V = 12
+    target = _target(V)
+    proposer = DFlashProposer(_head(target, list(range(V)), block_size=4), V, 96)
+    with pytest.raises(DraftsmithError, match=r"K=4 .* more than the 3 tokens a block of this DFlash head drafts"):
+        speculative_generate(TargetRunner(target, 96, AUX), proposer, torch.tensor([3, 1, 4]), 8, SamplingConfig(),
+                             DraftingConfig("chain", 4), [])
+
+
 # ---- lossless: greedy token-identical, sampling distribution-exact ----------------------------------------
 
 @pytest.mark.parametrize("k", [1, 3, 7])

@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from draftsmith import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target

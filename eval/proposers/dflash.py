@@ -57,6 +57,11 @@ class DFlashProposer:
     @torch.inference_mode()
     def propose(self, drafting: DraftingConfig, sampling: SamplingConfig, generator=None) -> Draft:
         k = drafting.num_speculative_tokens
+        if k > self.head.block_size - 1:  # mask slots past the trained block were never trained: refuse, do not guess
+            raise DraftsmithError(f"K={k} (drafting.num_speculative_tokens or sweep_k) is more than the "
+                                  f"{self.head.block_size - 1} tokens a block of this DFlash head drafts (block_size "
+                                  f"{self.head.block_size} in its config.json); draft at most "
+                                  f"{self.head.block_size - 1}, or train with method.block_size={k + 1}.")
         logits = self._forward(k)  # (k, Vd): row d-1 drafts x_{L-1+d}
         if sampling.greedy:
             own = logits.argmax(-1)
