@@ -2,6 +2,7 @@
 
     resolve_dtype(requested, device) -> (torch.dtype, reason)   `auto` picks bf16 only where it is fast
     use_threads() -> (threads, why)                            torch.set_num_threads(procenv.thread_count())
+    flush_denormals() -> bool                                  subnormal floats computed as zero (fast on x86)
     machine_info() -> dict                                     what reports and benchmarks write beside figures
 
 `auto`: bf16 on a CUDA device that supports it natively (torch.cuda.is_bf16_supported), bf16 on a CPU with
@@ -231,6 +232,18 @@ def use_threads(environ=None) -> tuple[int, str]:
     return threads, why
 
 
+def flush_denormals() -> bool:
+    """Treat subnormal floats as zero on the CPU (x86 FTZ / DAZ; True where supported), for the whole process.
+
+    Why: arithmetic on subnormal values runs in slow microcode on x86. The demo's EAGLE-3 training recipe with the
+    kernels capped at AVX2 ran 0.67 s/step without and 0.38 s/step with it, steps 1-160, same data (2-core Xeon,
+    2026-12-01). A subnormal is below 1.2e-38 in fp32: dropping it changes no figure draftsmith reports, and the
+    decoder stays lossless (the target-only and speculative runs share the setting)."""
+    on = bool(torch.set_flush_denormal(True))
+    _threads["flush_denormal"] = on
+    return on
+
+
 # ---- the record ------------------------------------------------------------------------------
 
 def machine_info(device: Optional[str] = None) -> dict:
@@ -241,7 +254,8 @@ def machine_info(device: Optional[str] = None) -> dict:
             "native_bf16_matmul": cpu.native_bf16, "amx": cpu.amx, "onednn_max_cpu_isa": cpu.onednn_max_isa,
             "cpu_count": os.cpu_count(), "allowed_cores": procenv.allowed_cores(),
             "threads": torch.get_num_threads(), "threads_why": _threads.get("why") or procenv.thread_count()[1],
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "platform": platform.platform(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "flush_denormal": _threads.get("flush_denormal"),
+            "platform": platform.platform(),
             "torch": torch.__version__}
     if bf16_probe.cache_info().currsize:  # measured in this process: keep the figure
         info["bf16_probe"] = bf16_probe()
