@@ -214,12 +214,12 @@ def forget() -> None:
     """Drop every cached finding (tests that mock the hardware)."""
     for f in (cpu_features, bf16_probe, _decide):
         f.cache_clear()
-    _threads.clear()
+    _settings.clear()
 
 
 # ---- threads ---------------------------------------------------------------------------------
 
-_threads: dict = {}  # what use_threads decided, for machine_info
+_settings: dict = {}  # what use_threads and flush_denormals set in this process, for machine_info
 
 
 def use_threads(environ=None) -> tuple[int, str]:
@@ -228,7 +228,7 @@ def use_threads(environ=None) -> tuple[int, str]:
     threads, why = procenv.thread_count(environ)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
-    _threads.update(threads=threads, why=why)
+    _settings.update(threads=threads, why=why)
     return threads, why
 
 
@@ -240,7 +240,7 @@ def flush_denormals() -> bool:
     2026-12-01). A subnormal is below 1.2e-38 in fp32: dropping it changes no figure draftsmith reports, and the
     decoder stays lossless (the target-only and speculative runs share the setting)."""
     on = bool(torch.set_flush_denormal(True))
-    _threads["flush_denormal"] = on
+    _settings["flush_denormal"] = on
     return on
 
 
@@ -253,8 +253,8 @@ def machine_info(device: Optional[str] = None) -> dict:
             "torch_cpu_capability": cpu.torch_capability, "mkldnn_bf16": cpu.mkldnn_bf16,
             "native_bf16_matmul": cpu.native_bf16, "amx": cpu.amx, "onednn_max_cpu_isa": cpu.onednn_max_isa,
             "cpu_count": os.cpu_count(), "allowed_cores": procenv.allowed_cores(),
-            "threads": torch.get_num_threads(), "threads_why": _threads.get("why") or procenv.thread_count()[1],
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "flush_denormal": _threads.get("flush_denormal"),
+            "threads": torch.get_num_threads(), "threads_why": _settings.get("why") or procenv.thread_count()[1],
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "flush_denormal": _settings.get("flush_denormal"),
             "platform": platform.platform(),
             "torch": torch.__version__}
     if bf16_probe.cache_info().currsize:  # measured in this process: keep the figure
