@@ -323,3 +323,17 @@ def test_single_process_default_training_never_imports_deepspeed(tmp_path):
     assert result.stdout.count("dtype auto -> ") == 1 and "deepspeed auto -> none: one process" in result.stdout
     saved = (out / "config.yaml").read_text()
     assert "config: none" in saved and "precision: auto" not in saved and "dtype: auto" not in saved
+
+
+def test_the_cli_flushes_subnormals_to_zero():
+    """After the CLI's process setup a subnormal fp32 input computes as zero (FTZ / DAZ), in a fresh process."""
+    code = ("import sys, torch\n"
+            "from draftsmith import cli\n"
+            "before = (torch.tensor([1e-39]) * 1.0).item()\n"
+            "sys.argv = ['draftsmith', 'export', '--cfg', 'job', 'head=h']\n"
+            "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
+            "after = (torch.tensor([1e-39]) * 1.0).item()\n"
+            "print(before, after)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    before, after = map(float, out.stdout.split()[-2:])
+    assert before != 0.0 and after == 0.0, out.stdout + out.stderr
