@@ -9,11 +9,20 @@ worker process that builds one `LLM` per run. Without the engine venv these test
 
 Asserted, for each working export: vLLM's output is token-identical to vLLM target-only and to draftsmith's
 target-only; vLLM's τ and per-position acceptance equal the built-in decoder's within eval/engine_vllm.py's
-TOLERANCE, and every verification but the last of each prompt accepted exactly as many tokens in both. Each
+TOLERANCE, and every verification but the last of each prompt accepted exactly as many tokens in both.
+
+vLLM for CPU (0.32.0) computes the 2-layer drafter otherwise than its own contract: its rms_norm kernel applies
+layer 0's k_norm to the context keys of every layer (vllm_worker.grouped_rms_norm_ok; NOTES-issue22.md measured
+drafter logits 0.04-0.10 apart at every cycle because of it, 2e-5 with it emulated). Where the worker's probe finds
+that defect, the built-in decoder is compared with the defect emulated (`context_keys_normed_by_layer_0`, here in the
+test, never in draftsmith), so the check still asks for step-identical verifications; the plain built-in decoder's
+agreement is printed beside it. Each
 broken copy (target layers shifted by one; a causal folder) must fail the τ check while staying lossless.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import pytest
 from test_engine_vllm import COMMON, N_PROMPTS, TRAIN, edited_copy
@@ -24,6 +33,7 @@ from draftsmith.data_gen.run import run as data_gen
 from draftsmith.eval import engine_vllm as ev_engine
 from draftsmith.eval import run as ev
 from draftsmith.export import run as export
+from draftsmith.heads import dflash as dflash_head
 from draftsmith.methods import methods
 from draftsmith.train.run import run as train
 
@@ -77,6 +87,41 @@ def engine_run(name: str, folder) -> dict:
     return {"name": name, "k": K, "speculative_config": spec}
 
 
+@contextmanager
+def context_keys_normed_by_layer_0():
+    """The built-in drafter as vLLM for CPU runs it: every layer's CONTEXT keys normed with layer 0's k_norm (the
+    block's own keys keep their layer's, as in vLLM's attention forward)."""
+    keys_values, trunk = dflash_head.DFlashAttention.keys_values, dflash_head.DFlashHead.trunk
+    now = {}
+
+    def patched_keys_values(self, x, cos, sin):
+        if now.get("context") is None or x is not now["context"]:
+            return keys_values(self, x, cos, sin)
+        own, self.k_norm = self.k_norm, now["k_norm_0"]
+        try:
+            return keys_values(self, x, cos, sin)
+        finally:
+            self.k_norm = own
+
+    def patched_trunk(self, input_ids, positions, context, *args, **kwargs):
+        now.update(context=context, k_norm_0=self.layers[0].self_attn.k_norm)
+        try:
+            return trunk(self, input_ids, positions, context, *args, **kwargs)
+        finally:
+            now["context"] = None
+
+    dflash_head.DFlashAttention.keys_values, dflash_head.DFlashHead.trunk = patched_keys_values, patched_trunk
+    try:
+        yield
+    finally:
+        dflash_head.DFlashAttention.keys_values, dflash_head.DFlashHead.trunk = keys_values, trunk
+
+
+def builtin_as_engine(samples: dict, result: dict) -> list:
+    """The built-in samples that compute what this vLLM computes (see the module docstring)."""
+    return samples["dflash_cpu_kernel"] if result.get("grouped_rms_norm_ok") is False else samples["dflash"]
+
+
 @pytest.fixture(scope="module")
 def measured(exports, tmp_path_factory):
     """(built-in samples, the engine's result): the same prompts, greedy, fp32, K = 3."""
@@ -87,6 +132,9 @@ def measured(exports, tmp_path_factory):
     setup = ev.prepare(cfg)
     drafter = ev.load_drafter(cfg, setup.target, setup.runner.max_len)
     samples, _ = ev.decode_all(setup, {ev.TARGET_ONLY: None, "dflash": drafter.make()}, ev.Drafter("all", None))
+    with context_keys_normed_by_layer_0():
+        emulated, _ = ev.decode_all(setup, {ev.TARGET_ONLY: None, "dflash": drafter.make()}, ev.Drafter("all", None))
+    samples["dflash_cpu_kernel"] = emulated["dflash"]
     runs = [{"name": ev_engine.TARGET_ONLY, "speculative_config": None}]
     runs += [engine_run(name, exports[name]) for name in WORKING + BROKEN + REPORTED]
     job = ev_engine.engine_job(ev_engine.served_target(setup.target), [s.prompt_ids for s in samples["target_only"]],
@@ -102,7 +150,9 @@ def test_dflash_export_in_engine(measured, name):
     assert base["ok"], base.get("error")
     assert run["ok"], f"vLLM refused {name}: {run.get('error')}"
     assert run["tokens"] == base["tokens"] == [s.tokens for s in samples["target_only"]]
-    agree = ev_engine.agreement(samples["dflash"], run, K)
+    print(name, "grouped_rms_norm_ok", result.get("grouped_rms_norm_ok"),
+          "plain built-in", ev_engine.agreement(samples["dflash"], run, K))
+    agree = ev_engine.agreement(builtin_as_engine(samples, result), run, K)
     print(name, agree)
     assert agree["equal"], agree
     assert agree["steps_identical_fraction"] == 1.0, agree
@@ -114,7 +164,7 @@ def test_broken_dflash_export_fails_tau_equality(measured, name):
     samples, result = measured
     run = result["runs"][name]
     assert run["ok"], f"vLLM refused {name}: {run.get('error')}"
-    agree = ev_engine.agreement(samples["dflash"], run, K)
+    agree = ev_engine.agreement(builtin_as_engine(samples, result), run, K)
     print(name, agree)
     assert not agree["equal"], agree
     assert run["tokens"] == result["runs"][ev_engine.TARGET_ONLY]["tokens"]  # still lossless: only slower
@@ -127,5 +177,5 @@ def test_causal_copy_loads_and_stays_lossless(measured, name):
     samples, result = measured
     run = result["runs"][name]
     assert run["ok"], f"vLLM refused {name}: {run.get('error')}"
-    print(name, ev_engine.agreement(samples["dflash"], run, K))
+    print(name, ev_engine.agreement(builtin_as_engine(samples, result), run, K))
     assert run["tokens"] == result["runs"][ev_engine.TARGET_ONLY]["tokens"]
