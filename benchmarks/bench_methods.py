@@ -68,7 +68,9 @@ def evaluate(method: str, head: str, args) -> dict:
                  f"max_new_tokens={args.max_new_tokens}", "repeats=1", "baselines=[]", "engine=vllm",
                  f"out={args.out / 'eval' / method}", "overwrite=true", "progress=false", "plot=false"]
     report = eval_run(compose("eval", overrides))
-    return {"rows": per_k_rows(report, report["method"]), "method": report["method"]}
+    # e.g. vLLM for CPU's k_norm defect on a DFlash drafter of 2+ layers (eval/engine_vllm.dflash_engine_defect)
+    return {"rows": per_k_rows(report, report["method"]), "method": report["method"],
+            "engine_warnings": (report.get("engine") or {}).get("warnings", [])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                 m[f"best_{engine}"] = {"k": best["k"], "speedup": best[f"{engine}_speedup"],
                                        "tau": best["tau_builtin" if engine == "builtin" else "tau_vllm"]}
         print(f"{method:<7} best K: built-in {m.get('best_builtin')}, vLLM {m.get('best_vllm')}")
+        for w in m.get("engine_warnings", []):
+            print(f"{method:<7} vLLM warning: {w}")
     result["machine"] = machine_info()
     atomic_write_json(args.out / "bench_methods.json", result)
     print(f"wrote {args.out / 'bench_methods.json'} ({result['seconds']} s)")
