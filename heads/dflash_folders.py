@@ -1,0 +1,254 @@
+"""The folders of a DFlash drafter: the one vLLM serves with `method: dflash`, and vLLM's speculators format.
+
+    format=dflash       config.json: DFlashDraftModel, model_type qwen3 (vLLM reads it with AutoConfig), the
+                        drafter's layer count and sizes, draft_vocab_size, every layer "full_attention" and
+                        dflash_config {mask_token_id, target_layer_ids (DFlash's convention: HF index - 1),
+                        causal: false}, eagle_aux_hidden_state_layer_ids (HF hidden_states indices, what vLLM
+                        reads first), block_size. model.safetensors: fc, hidden_norm, layers.{i}.* (q_norm /
+                        k_norm included), norm, lm_head, t2d (bool), d2t (int64; only with a reduced draft
+                        vocab: vLLM has no d2t parameter otherwise) [, embed_tokens]
+    format=speculators  config.json: DFlashSpeculator, speculators_model_type "dflash", transformer_layer_config
+                        (a Qwen3 config with the layer count), block_size, aux_hidden_state_layer_ids,
+                        mask_token_id, sliding_window_non_causal true (vLLM turns false into causal attention
+                        for EVERY layer), sample_from_anchor false, speculators_config; the same tensors
+
+The target layers are always written explicitly: without them vLLM sizes fc as num_hidden_layers * H_t.
+Both folders are written atomically (heads/folders.py `write_head_folder`); loading reads safetensors only and
+checks every tensor's name, shape and dtype.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from draftsmith import DraftsmithError
+from draftsmith.heads.dflash import DFlashHead, dflash_config_from_target
+from draftsmith.heads.folders import (CONFIG, EMBED, SPECULATORS_VERSION, WEIGHTS, build_head, export_verifier,
+                                      folder_hooks, folder_tensors, layer_shapes, llama_layer_config,
+                                      read_checked_tensors, read_config_json, speculators_config,
+                                      with_target_embeddings, write_head_folder)
+from draftsmith.heads.kit import DEFAULT_ROPE_THETA, default_aux_layer_ids
+
+DFLASH_ARCHITECTURE = "DFlashDraftModel"  # vLLM's registry: qwen3_dflash.DFlashQwen3ForCausalLM
+DFLASH_SPECULATORS_ARCHITECTURE = "DFlashSpeculator"
+ARCHITECTURES = (DFLASH_ARCHITECTURE,)
+FOREIGN_ARCHITECTURES = {DFLASH_SPECULATORS_ARCHITECTURE: "the speculators format (vLLM loads it); give the DFlash "
+                                                          "folder it was exported from"}
+
+
+def dflash_tensor_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the DFlash folder (embed_tokens and d2t included) and its shape, for `config`."""
+    H, V, Vd, d = config.hidden_size, config.vocab_size, config.draft_vocab_size, config.head_dim
+    H_t = getattr(config, "target_hidden_size", None) or H
+    shapes = {"fc.weight": (H, 3 * H_t), "hidden_norm.weight": (H,)}
+    for i in range(config.num_hidden_layers):
+        shapes.update(layer_shapes(config, f"layers.{i}.", H))
+        shapes.update({f"layers.{i}.self_attn.q_norm.weight": (d,), f"layers.{i}.self_attn.k_norm.weight": (d,)})
+    shapes.update({"norm.weight": (H,), "lm_head.weight": (Vd, H), "d2t": (Vd,), "t2d": (V,), EMBED: (V, H)})
+    return shapes
+
+
+def dflash_tensors(head: DFlashHead, dtype: Optional[torch.dtype] = None,
+                   include_embeddings: bool = True) -> dict[str, torch.Tensor]:
+    """The drafter's tensors under the folder's names, contiguous on CPU, floats in `dtype`; d2t only with a
+    reduced draft vocab (a full-vocab drafter's d2t is all zeros, and vLLM refuses the tensor there)."""
+    tensors = folder_tensors(head, dflash_tensor_shapes(head.config), dtype, include_embeddings)
+    if head.config.draft_vocab_size == head.config.vocab_size:
+        del tensors["d2t"]
+    return tensors
+
+
+def layer_fields(config, dtype: Optional[torch.dtype]) -> dict:
+    """The Qwen3 config fields of the drafter's layers (sizes, heads, rope, eps, the layer count, all full
+    attention so that vLLM runs every layer non-causally)."""
+    fields = llama_layer_config(config, dtype)
+    fields.pop("rope_scaling", None)  # Qwen3Config reads rope_parameters
+    n = config.num_hidden_layers
+    return {**fields, "model_type": "qwen3", "num_hidden_layers": n, "layer_types": ["full_attention"] * n,
+            "use_sliding_window": False}
+
+
+# ---- format=dflash: the folder vLLM serves with method dflash ----------------------------------------------
+
+def dflash_config_json(head: DFlashHead, dtype: Optional[torch.dtype]) -> dict:
+    config = head.config
+    aux = [int(i) for i in config.aux_layer_ids]
+    out = {"architectures": [DFLASH_ARCHITECTURE], **layer_fields(config, dtype),
+           "draft_vocab_size": config.draft_vocab_size,
+           "block_size": config.block_size,
+           "eagle_aux_hidden_state_layer_ids": aux,
+           "dflash_config": {"mask_token_id": head.mask_token_id, "target_layer_ids": [i - 1 for i in aux],
+                             "causal": False, "use_aux_hidden_state": True}}
+    target_hidden = getattr(config, "target_hidden_size", None)
+    if target_hidden and target_hidden != config.hidden_size:
+        out["target_hidden_size"] = target_hidden
+    return out
+
+
+def save_dflash(head: DFlashHead, folder: str | os.PathLike, manifest_target: dict | None = None, *,
+                include_embeddings: bool = True, dtype: Optional[torch.dtype] = None, stage: str = "train") -> Path:
+    """Write the folder vLLM serves with method dflash (atomically) and return its path."""
+    tensors = dflash_tensors(head, dtype, include_embeddings)
+    config = dflash_config_json(head, dtype or head.fc.weight.dtype)
+    return write_head_folder(Path(folder), tensors, config, head.config.draft_vocab_size, manifest_target, stage,
+                             "dflash")
+
+
+def int_list(raw, key: str, where: Path) -> list[int]:
+    if not isinstance(raw, list) or not raw or not all(isinstance(i, int) and not isinstance(i, bool) for i in raw):
+        raise DraftsmithError(f"{where} has {key}={raw!r}; expected a non-empty list of integers.")
+    return list(raw)
+
+
+def dflash_config_from_json(raw: dict, where: Path):
+    """The drafter's config from a DFlash folder's config.json (refused, naming the field, when one is missing)."""
+    if DFLASH_ARCHITECTURE not in (raw.get("architectures") or []):
+        raise DraftsmithError(f"{where} declares architectures {raw.get('architectures')!r}, "
+                              f"not [{DFLASH_ARCHITECTURE!r}].")
+    required = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                "rms_norm_eps", "max_position_embeddings", "num_hidden_layers", "block_size")
+    for key in required:
+        if key not in raw:
+            raise DraftsmithError(f"{where} has no {key!r}.")
+    dflash = raw.get("dflash_config")
+    if not isinstance(dflash, dict) or "mask_token_id" not in dflash:
+        raise DraftsmithError(f"{where} has no dflash_config.mask_token_id.")
+    if raw.get("eagle_aux_hidden_state_layer_ids") is not None:
+        aux = int_list(raw["eagle_aux_hidden_state_layer_ids"], "eagle_aux_hidden_state_layer_ids", where)
+    elif dflash.get("target_layer_ids") is not None:  # DFlash's convention: the output of layer i
+        aux = [i + 1 for i in int_list(dflash["target_layer_ids"], "dflash_config.target_layer_ids", where)]
+    else:
+        raise DraftsmithError(f"{where} names no target layers (eagle_aux_hidden_state_layer_ids or "
+                              f"dflash_config.target_layer_ids).")
+    if len(aux) != 3:
+        raise DraftsmithError(f"{where} reads {len(aux)} target layers {aux}; draftsmith's DFlash drafter reads 3.")
+    if dflash.get("causal") or raw.get("is_causal"):
+        raise DraftsmithError(f"{where} asks for causal attention; draftsmith's DFlash drafter is non-causal.")
+    fields = {k: raw[k] for k in required if k not in ("num_hidden_layers", "block_size")}
+    fields["head_dim"] = raw.get("head_dim")
+    fields["hidden_act"] = raw.get("hidden_act", "silu")
+    fields["rope_parameters"] = raw.get("rope_parameters") or {"rope_type": "default",
+                                                               "rope_theta": raw.get("rope_theta", DEFAULT_ROPE_THETA)}
+    config = dflash_config_from_target(types.SimpleNamespace(**fields), raw.get("draft_vocab_size", raw["vocab_size"]),
+                                       raw["num_hidden_layers"], raw["block_size"], dflash["mask_token_id"], aux)
+    config.target_hidden_size = raw.get("target_hidden_size") or raw["hidden_size"]
+    return config
+
+
+def load_dflash(folder: str | os.PathLike, device="cpu", dtype: Optional[torch.dtype] = None,
+                target_embeddings: torch.Tensor | torch.nn.Embedding | None = None) -> DFlashHead:
+    """Load a folder written by `save_dflash`, every tensor checked. A folder without embed_tokens needs the
+    target's as `target_embeddings`; a full-vocab folder without d2t gets the identity map."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DraftsmithError(f"head folder {folder} does not exist.")
+    config = dflash_config_from_json(read_config_json(folder), folder / CONFIG)
+    expected = dflash_tensor_shapes(config)
+    full_vocab = config.draft_vocab_size == config.vocab_size
+    tensors = read_checked_tensors(folder / WEIGHTS, expected, optional=(EMBED,) + (("d2t",) if full_vocab else ()))
+    if full_vocab:
+        tensors.setdefault("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+    head = build_head(DFlashHead, config, with_target_embeddings(tensors, expected, folder, target_embeddings),
+                      device, dtype)
+    head.embed_tokens.weight.requires_grad_(False)
+    return head
+
+
+# ---- format=speculators: vLLM's speculators format, type dflash ----------------------------------------------
+
+def speculators_dflash_config_json(head: DFlashHead, verifier: Optional[str], num_speculative_tokens: int,
+                                   dtype: torch.dtype) -> dict:
+    config = head.config
+    target_hidden = getattr(config, "target_hidden_size", None)
+    layer = {**layer_fields(config, None), "architectures": ["Qwen3ForCausalLM"]}
+    return {
+        "architectures": [DFLASH_SPECULATORS_ARCHITECTURE],
+        "speculators_model_type": "dflash",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config.draft_vocab_size,
+        "block_size": config.block_size,
+        "target_hidden_size": target_hidden if target_hidden and target_hidden != config.hidden_size else None,
+        "aux_hidden_state_layer_ids": [int(i) for i in config.aux_layer_ids],  # HF indices, as speculators'
+        "mask_token_id": head.mask_token_id,
+        # vLLM maps this to dflash_config.causal = not it, for every layer: true keeps our non-causal attention
+        "sliding_window_non_causal": True,
+        "sample_from_anchor": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "speculators_config": speculators_config("dflash", verifier, num_speculative_tokens),
+    }
+
+
+def save_speculators_dflash(head: DFlashHead, folder: str | os.PathLike, verifier: Optional[str] = None,
+                            num_speculative_tokens: Optional[int] = None, manifest_target: dict | None = None,
+                            dtype: Optional[torch.dtype] = None, include_embeddings: bool = True) -> Path:
+    """Write the drafter in speculators' DFlash format (atomically); K defaults to block_size - 1."""
+    k = head.block_size - 1 if num_speculative_tokens is None else int(num_speculative_tokens)
+    if k < 1:
+        raise DraftsmithError(f"export num_speculative_tokens={k} must be at least 1.")
+    dtype = dtype or head.fc.weight.dtype
+    tensors = dflash_tensors(head, dtype, include_embeddings)
+    config = speculators_dflash_config_json(head, verifier, k, dtype)
+    return write_head_folder(Path(folder), tensors, config, head.config.draft_vocab_size, manifest_target, "export",
+                             "speculators")
+
+
+# ---- the method table's hooks (draftsmith.methods) -------------------------------------------------------------
+
+# the target layers it reads (low, middle, high: EAGLE-3's, so data-gen's shards serve it), captured by data-gen and
+# computed by train / eval's runner; its folders always name them
+target_layer_ids = default_aux_layer_ids
+load_checked, save = folder_hooks(load_dflash, save_dflash)
+
+
+def load(folder: Path, target=None) -> DFlashHead:
+    """The method table's loader: beside a target, the folder's target layers must be the ones it computes."""
+    head = load_checked(folder, target)
+    if target is not None and list(head.config.aux_layer_ids) != list(target.aux_layer_ids):
+        raise DraftsmithError(f"{Path(folder) / CONFIG} reads target layers {head.config.aux_layer_ids} (HF hidden_states "
+                              f"indices), but the target computes {list(target.aux_layer_ids)}: pass "
+                              f"target.aux_layer_ids={head.config.aux_layer_ids}.")
+    return head
+
+
+def write_dflash(head: DFlashHead, folder: Path, manifest_target: Optional[dict], options) -> Path:
+    return save_dflash(head, folder, manifest_target=manifest_target, dtype=options.dtype,
+                       include_embeddings=options.include_embeddings, stage="export")
+
+
+def write_speculators(head: DFlashHead, folder: Path, manifest_target: Optional[dict], options) -> Path:
+    return save_speculators_dflash(head, folder, verifier=export_verifier(options, manifest_target),
+                                   num_speculative_tokens=options.num_speculative_tokens, manifest_target=manifest_target,
+                                   dtype=options.dtype, include_embeddings=options.include_embeddings)
+
+
+FORMATS = {"dflash": write_dflash, "speculators": write_speculators}
+
+
+def card(options: dict, formats: list[str], commands: dict) -> dict:
+    """DFlash's parts of the card (`options`: the training run's method options, its defaults filled in by publish;
+    `commands`: the engines' serving commands)."""
+    block = options["block_size"]
+    return {
+        "title": "A DFlash (block-parallel) drafter",
+        "method": (f"DFlash: a {options['num_layers']}-layer drafter that proposes a block of "
+                   f"{block - 1} tokens in one forward: the target's hidden states from three layers, fused by a "
+                   "linear layer, are the keys and values of every layer's attention, and the block (the last "
+                   "verified token followed by mask tokens) attends to them and to itself without a causal mask. "
+                   f"Trained on the target's own answers with cross-entropy over the block positions "
+                   f"({options['loss_weighting']} position weights); it drafts over a reduced "
+                   "vocabulary mapped to the target's by `d2t` / `t2d`."),
+        "tags": ["dflash", "speculative-decoding", "draft-model", "draftsmith", "vllm"]
+                + (["speculators"] if "speculators" in formats else []),
+        "commands": {k: v for k, v in commands.items() if k != "sglang"},
+        "no_sglang": "SGLang's DFLASH flags were not confirmed from its documentation here: serve this head with vLLM.",
+        "files": {"dflash": "vLLM `DFlashDraftModel` (method dflash)",
+                  "speculators": "vLLM `DFlashSpeculator`, speculators_config (algorithm dflash)"},
+        "draft_vocab_size": options.get("draft_vocab_size"),
+    }

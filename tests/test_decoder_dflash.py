@@ -1,0 +1,181 @@
+"""The DFlash proposer in the built-in decoder: one drafter forward per cycle drafts exactly what the drafter
+computes from scratch on the committed sequence, greedy decoding is token-identical to target-only decoding,
+`stop_below` only shortens the chain, and sampled decoding has the target's distribution (with the negative
+control failing)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_decoder_peagle import N_RUNS, PROMPT, SAMPLING_V, _chi2_pvalue, _exact_joint, _target
+
+from draftsmith.eval import decoder
+from draftsmith.eval.decoder import DraftingConfig, SamplingConfig, speculative_generate
+from draftsmith.eval.proposers.dflash import DFlashProposer
+from draftsmith.eval.target_runner import TargetRunner
+from draftsmith.heads.dflash import DFlashHead, dflash_config_from_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+AUX = [0, 1, 2]  # HF hidden_states indices of a 2-layer target
+
+
+def _head(target, used: list[int], seed=4, layers=2, scale=1.0, block_size=8, aux=AUX):
+    torch.manual_seed(seed)
+    V, Vd = target.config.vocab_size, len(used)
+    head = DFlashHead(dflash_config_from_target(target.config, Vd, layers, block_size, V - 1, aux)).double().eval()
+    used = torch.tensor(used)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[used] = True
+    head.init_from_target(target, used - torch.arange(Vd), t2d)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.startswith(("fc", "layers", "hidden_norm")):  # random everywhere, so a wrong wiring shows
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+        head.lm_head.weight.mul_(scale)
+    return head
+
+
+class RecordingProposer(DFlashProposer):
+    """Keeps, per cycle: the committed sequence and the k rows of draft logits of the one forward."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.rounds, self.forwards = [], 0
+
+    def _forward(self, k):
+        self.forwards += 1
+        logits = super()._forward(k)
+        self.rounds.append((list(self.seq), logits.clone()))
+        return logits
+
+
+def _from_scratch(head, target, seq, k):
+    """The drafter on the whole committed sequence, no cache: context f_0 .. f_{L-2}, the block [x_{L-1}, k masks]
+    at positions L-1 .. L-1+k, every query seeing every key."""
+    L = len(seq)
+    with torch.no_grad():
+        hs = target(torch.tensor([seq[:-1]]), output_hidden_states=True).hidden_states
+        aux = torch.cat([hs[i] for i in AUX], dim=-1)  # (1, L-1, 3H): positions 0..L-2
+        ids = torch.tensor([[seq[-1]] + [head.mask_token_id] * k])
+        mask = torch.ones(1, 1, k + 1, L - 1 + k + 1, dtype=torch.bool)
+        _, logits = head(ids, torch.arange(L - 1, L + k)[None], head.context(aux), torch.arange(L - 1)[None], mask)
+    return logits[0, 1:]
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])
+def test_one_forward_per_cycle_drafts_what_the_drafter_computes_from_scratch(sampling):
+    V, K = 12, 4
+    target = _target(V)
+    head = _head(target, [0, 1, 2, 4, 5, 7, 8, 10, 11])
+    proposer = RecordingProposer(head, V, 96)
+    g = torch.Generator().manual_seed(0)
+    res = speculative_generate(TargetRunner(target, 96, AUX), proposer, torch.tensor([3, 1, 4, 1, 5, 9, 2, 6]), 40,
+                               sampling, DraftingConfig("chain", K), [], generator=g)
+    assert len(res.tokens) == 40
+    assert proposer.forwards == len(proposer.rounds) <= res.n_verifications  # one drafter forward per cycle
+    assert len(proposer.rounds) > 3
+    for seq, logits in proposer.rounds:
+        assert logits.shape[0] == K
+        torch.testing.assert_close(logits, _from_scratch(head, target, seq, K), rtol=1e-9, atol=1e-9)
+
+
+def test_draft_forwards_attend_only_to_the_slots_in_use(monkeypatch):
+    widths, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        widths.append(k.shape[-2])
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    V = 12
+    target = _target(V)
+    proposer = DFlashProposer(_head(target, list(range(V))), V, 4096)
+    prompt = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    res = speculative_generate(TargetRunner(target, 64, AUX), proposer, prompt, 20, SamplingConfig(),
+                               DraftingConfig("chain", 5), [])
+    assert len(res.tokens) == 20 and widths
+    assert max(widths) <= len(prompt) + 20 + 5 + 1
+
+
+def test_stop_below_shortens_the_chain_only():
+    V, K = 12, 5
+    target = _target(V)
+    head = _head(target, list(range(V)), scale=0.2)  # flat drafts: most probabilities are low
+    prompt = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    runner = TargetRunner(target, 96, AUX)
+    fixed = speculative_generate(runner, DFlashProposer(head, V, 96), prompt, 30, SamplingConfig(),
+                                 DraftingConfig("chain", K), [])
+    dynamic = speculative_generate(runner, DFlashProposer(head, V, 96), prompt, 30, SamplingConfig(),
+                                   DraftingConfig("chain", K, stop_below=0.3), [])
+    assert dynamic.tokens == fixed.tokens  # lossless either way
+
+    def sizes_far_from_the_end(res):  # the decoder shortens a draft that would run past max_new_tokens
+        done = 1 + torch.tensor([0] + res.emitted_per_verification).cumsum(0)[:-1]  # tokens emitted before each
+        return [n for n, d in zip(res.draft_sizes, done.tolist()) if 30 - d > K + 1]
+
+    assert set(sizes_far_from_the_end(fixed)) == {K}
+    assert min(sizes_far_from_the_end(dynamic)) < K  # some chains were cut by stop_below
+
+
+def test_more_tokens_than_a_trained_block_is_refused():
+    from draftsmith import DraftsmithError
+
+    V = 12
+    target = _target(V)
+    proposer = DFlashProposer(_head(target, list(range(V)), block_size=4), V, 96)
+    with pytest.raises(DraftsmithError, match=r"K=4 .* more than the 3 tokens a block of this DFlash head drafts"):
+        speculative_generate(TargetRunner(target, 96, AUX), proposer, torch.tensor([3, 1, 4]), 8, SamplingConfig(),
+                             DraftingConfig("chain", 4), [])
+
+
+# ---- lossless: greedy token-identical, sampling distribution-exact ----------------------------------------
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_greedy_is_token_identical_to_target_only(k):
+    from draftsmith.data_gen.target import TargetConfig, load_target
+
+    tiny = load_target(TargetConfig(name="tiny", dtype="float64"))
+    runner = TargetRunner(tiny.model, 256, tiny.aux_layer_ids)
+    torch.manual_seed(0)
+    used = torch.sort(torch.randperm(tiny.vocab_size)[:200]).values.tolist()
+    head = _head(tiny.model, used, aux=tiny.aux_layer_ids)
+    proposer = DFlashProposer(head, tiny.vocab_size, 256)
+    for seed in range(2):
+        prompt = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(seed))
+        plain = speculative_generate(runner, None, prompt, 30, SamplingConfig(), DraftingConfig(), []).tokens
+        spec = speculative_generate(runner, proposer, prompt, 30, SamplingConfig(), DraftingConfig("chain", k), [])
+        assert spec.tokens == plain
+        assert sum(spec.proposed_per_position) > 0
+
+
+def _sampled_pvalue(sampling):
+    target = _target(SAMPLING_V, seed=0, scale=60, layers=1)
+    runner = TargetRunner(target, 32, [0, 1, 1])
+    head = _head(target, [0, 1, 2, 4, 5, 7], seed=3, layers=2, scale=60, aux=[0, 1, 1])
+    proposer = DFlashProposer(head, SAMPLING_V, 32)
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(SAMPLING_V ** 2, dtype=torch.float64)
+    accepted = 0
+    for _ in range(N_RUNS):
+        # 4 tokens, scored on the 2nd and 3rd: the K=2 cycle after the prefill's x1 drafts both x2 and x3
+        res = speculative_generate(runner, proposer, PROMPT, 4, sampling, DraftingConfig("chain", 2), [], generator=g)
+        counts[res.tokens[1] * SAMPLING_V + res.tokens[2]] += 1
+        accepted += sum(res.accepted_per_position)
+    assert 0 < accepted  # drafts were accepted and rejected: the rule ran both ways
+    return _chi2_pvalue(counts, _exact_joint(target, sampling))
+
+
+@pytest.mark.slow  # 2500 seeded generations
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_k=5, top_p=0.9)],
+                         ids=["T1", "topk-topp"])
+def test_sampling_matches_target_distribution(sampling):
+    pval, stat, df = _sampled_pvalue(sampling)
+    assert pval > 1e-3, (stat, df)
+
+
+@pytest.mark.slow
+def test_negative_control_resampling_from_p_fails(monkeypatch):
+    """A wrong sampler (on rejection, resample from p instead of the residual) must fail the same test."""
+    monkeypatch.setattr(decoder, "residual_distribution", lambda p, q: p)
+    pval, stat, df = _sampled_pvalue(SamplingConfig(temperature=1.0))
+    assert pval < 1e-4, (stat, df)

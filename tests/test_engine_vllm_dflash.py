@@ -1,0 +1,181 @@
+"""(slow) DFlash in the engine: vLLM for CPU loads draftsmith's DFlash exports (the `dflash` folder served with
+method dflash, and the speculators format served as the model), decodes the same prompts greedily in fp32, and
+measures what the built-in decoder measures.
+
+Setup as tests/test_engine_vllm.py, for DFlash alone: data-gen on the embedded SmolLM2, a short DFlash training,
+both exports and deliberately broken copies, the built-in decoder on 6 of the training prompts, then ONE vLLM
+worker process that builds one `LLM` per run. Without the engine venv these tests skip with "vLLM not installed
+(...)", and fail where DRAFTSMITH_REQUIRE_ENGINE=1.
+
+Asserted, for each working export: vLLM's output is token-identical to vLLM target-only and to draftsmith's
+target-only; vLLM's τ and per-position acceptance equal the built-in decoder's within eval/engine_vllm.py's
+TOLERANCE, and every verification but the last of each prompt accepted exactly as many tokens in both.
+
+vLLM for CPU (0.32.0) computes the 2-layer drafter otherwise than its own contract: its rms_norm kernel applies
+layer 0's k_norm to the context keys of every layer (vllm_worker.grouped_rms_norm_ok; NOTES-issue22.md measured
+drafter logits 0.04-0.10 apart at every cycle because of it, 2e-5 with it emulated). Where the worker's probe finds
+that defect, the built-in decoder is compared with the defect emulated (`context_keys_normed_by_layer_0`, here in the
+test, never in draftsmith), so the check still asks for step-identical verifications; the plain built-in decoder's
+agreement is printed beside it. Each
+broken copy (target layers shifted by one; a causal folder) must fail the τ check while staying lossless.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+from test_engine_vllm import COMMON, N_PROMPTS, TRAIN, edited_copy
+
+from draftsmith import engine
+from draftsmith.configs import compose
+from draftsmith.data_gen.run import run as data_gen
+from draftsmith.eval import engine_vllm as ev_engine
+from draftsmith.eval import run as ev
+from draftsmith.export import run as export
+from draftsmith.heads import dflash as dflash_head
+from draftsmith.methods import methods
+from draftsmith.train.run import run as train
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]
+
+K = 3
+# 96, not the other engine test's 48: a DFlash head this well trained accepts most drafts, so each prompt's last
+# verification (vLLM drafts K there and drops what is past max_tokens; the built-in decoder shortens the draft)
+# moved the pooled τ by 0.024 over 48 tokens, above eval/engine_vllm.py's TOLERANCE, with every other
+# verification identical (NOTES-issue22.md); twice the tokens halves its weight
+MAX_TOKENS = 96
+WORKING = ("dflash", "dflash_speculators")
+BROKEN = ("dflash_target_layers_shifted", "dflash_mask_token_wrong")
+# run and reported, not asserted: with a head this weakly trained, the mask queries barely attend to one another, so
+# running them causally flipped no accept in the first measurement (NOTES-issue22.md)
+REPORTED = ("dflash_causal",)
+
+
+@pytest.fixture(scope="module")
+def exports(engine_ready, tmp_path_factory, smollm2_target):
+    """data-gen -> a short DFlash training -> both exports (+ broken copies); name -> folder."""
+    import json
+
+    root = tmp_path_factory.mktemp("engine-dflash")
+    data = root / "data"
+    data_gen(compose("data_gen", COMMON + ["prompts=self", "prompts.n=16", "max_new_tokens=64", f"out={data}"]))
+    train(compose("train", COMMON + TRAIN + ["method=dflash", "epochs=16", "method.num_layers=2",
+                                             f"method.block_size={K + 1}", "method.draft_vocab_size=8192",
+                                             f"data={data}", f"out={root / 'dflash'}"]))
+    verifier = ev_engine.served_target(smollm2_target)
+    head = root / "dflash" / "final"
+    x = {"dflash": export(compose("export", [f"head={head}", "format=dflash", f"out={root / 'x-dflash'}"])),
+         "dflash_speculators": export(compose("export", [f"head={head}", "format=speculators", f"verifier={verifier}",
+                                                         f"num_speculative_tokens={K}", f"out={root / 'x-spec'}"]))}
+    config = json.loads((x["dflash"] / "config.json").read_text())
+    shifted = [i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
+    x["dflash_target_layers_shifted"] = edited_copy(x["dflash"], root / "shifted", {
+        "eagle_aux_hidden_state_layer_ids": shifted,
+        "dflash_config": {**config["dflash_config"], "target_layer_ids": [i - 1 for i in shifted]}})
+    x["dflash_mask_token_wrong"] = edited_copy(x["dflash"], root / "mask", {
+        "dflash_config": {**config["dflash_config"], "mask_token_id": 0}})
+    x["dflash_causal"] = edited_copy(x["dflash"], root / "causal", {
+        "dflash_config": {**config["dflash_config"], "causal": True}})
+    return {"data": data, **x}
+
+
+def engine_run(name: str, folder) -> dict:
+    if name == "dflash_speculators":  # served as the model: its speculators_config names the verifier and K
+        return {"name": name, "k": K, "model": str(folder), "speculative_config": None}
+    spec = ev_engine.speculative_config("dflash", methods()["dflash"].engines, str(folder), K)
+    return {"name": name, "k": K, "speculative_config": spec}
+
+
+@contextmanager
+def context_keys_normed_by_layer_0():
+    """The built-in drafter as vLLM for CPU runs it: every layer's CONTEXT keys normed with layer 0's k_norm (the
+    block's own keys keep their layer's, as in vLLM's attention forward)."""
+    keys_values, trunk = dflash_head.DFlashAttention.keys_values, dflash_head.DFlashHead.trunk
+    now = {}
+
+    def patched_keys_values(self, x, cos, sin):
+        if now.get("context") is None or x is not now["context"]:
+            return keys_values(self, x, cos, sin)
+        own, self.k_norm = self.k_norm, now["k_norm_0"]
+        try:
+            return keys_values(self, x, cos, sin)
+        finally:
+            self.k_norm = own
+
+    def patched_trunk(self, input_ids, positions, context, *args, **kwargs):
+        now.update(context=context, k_norm_0=self.layers[0].self_attn.k_norm)
+        try:
+            return trunk(self, input_ids, positions, context, *args, **kwargs)
+        finally:
+            now["context"] = None
+
+    dflash_head.DFlashAttention.keys_values, dflash_head.DFlashHead.trunk = patched_keys_values, patched_trunk
+    try:
+        yield
+    finally:
+        dflash_head.DFlashAttention.keys_values, dflash_head.DFlashHead.trunk = keys_values, trunk
+
+
+def builtin_as_engine(samples: dict, result: dict) -> list:
+    """The built-in samples that compute what this vLLM computes (see the module docstring)."""
+    return samples["dflash_cpu_kernel"] if result.get("grouped_rms_norm_ok") is False else samples["dflash"]
+
+
+@pytest.fixture(scope="module")
+def measured(exports, tmp_path_factory):
+    """(built-in samples, the engine's result): the same prompts, greedy, fp32, K = 3."""
+    cfg = compose("eval", COMMON + [f"head={exports['dflash']}", "prompts.source=holdout",
+                                    f"prompts.path={exports['data']}", f"prompts.holdout={N_PROMPTS}",
+                                    f"max_new_tokens={MAX_TOKENS}", "repeats=1", "warmup_prompts=0", "progress=false",
+                                    f"drafting.num_speculative_tokens={K}", f"out={tmp_path_factory.mktemp('eval')}"])
+    setup = ev.prepare(cfg)
+    drafter = ev.load_drafter(cfg, setup.target, setup.runner.max_len)
+    samples, _ = ev.decode_all(setup, {ev.TARGET_ONLY: None, "dflash": drafter.make()}, ev.Drafter("all", None))
+    with context_keys_normed_by_layer_0():
+        emulated, _ = ev.decode_all(setup, {ev.TARGET_ONLY: None, "dflash": drafter.make()}, ev.Drafter("all", None))
+    samples["dflash_cpu_kernel"] = emulated["dflash"]
+    runs = [{"name": ev_engine.TARGET_ONLY, "speculative_config": None}]
+    runs += [engine_run(name, exports[name]) for name in WORKING + BROKEN + REPORTED]
+    job = ev_engine.engine_job(ev_engine.served_target(setup.target), [s.prompt_ids for s in samples["target_only"]],
+                               MAX_TOKENS, setup.target.eos_token_ids, runs)
+    return samples, engine.run_job(job, timeout_s=3600)
+
+
+@pytest.mark.parametrize("name", WORKING)
+def test_dflash_export_in_engine(measured, name):
+    """Loads, greedy output identical to target-only, τ and per-position acceptance equal to the built-in decoder's."""
+    samples, result = measured
+    run, base = result["runs"][name], result["runs"][ev_engine.TARGET_ONLY]
+    assert base["ok"], base.get("error")
+    assert run["ok"], f"vLLM refused {name}: {run.get('error')}"
+    assert run["tokens"] == base["tokens"] == [s.tokens for s in samples["target_only"]]
+    print(name, "grouped_rms_norm_ok", result.get("grouped_rms_norm_ok"),
+          "plain built-in", ev_engine.agreement(samples["dflash"], run, K))
+    agree = ev_engine.agreement(builtin_as_engine(samples, result), run, K)
+    print(name, agree)
+    assert agree["equal"], agree
+    assert agree["steps_identical_fraction"] == 1.0, agree
+    assert agree["per_position_engine"][0] > 0.1, agree  # a trained head: drafts are accepted
+
+
+@pytest.mark.parametrize("name", BROKEN)
+def test_broken_dflash_export_fails_tau_equality(measured, name):
+    samples, result = measured
+    run = result["runs"][name]
+    assert run["ok"], f"vLLM refused {name}: {run.get('error')}"
+    agree = ev_engine.agreement(builtin_as_engine(samples, result), run, K)
+    print(name, agree)
+    assert not agree["equal"], agree
+    assert run["tokens"] == result["runs"][ev_engine.TARGET_ONLY]["tokens"]  # still lossless: only slower
+
+
+@pytest.mark.parametrize("name", REPORTED)
+def test_causal_copy_loads_and_stays_lossless(measured, name):
+    """vLLM runs a folder that asks for causal attention; its agreement with the (non-causal) built-in decoder is
+    printed for the notes, not asserted (see REPORTED)."""
+    samples, result = measured
+    run = result["runs"][name]
+    assert run["ok"], f"vLLM refused {name}: {run.get('error')}"
+    print(name, ev_engine.agreement(builtin_as_engine(samples, result), run, K))
+    assert run["tokens"] == result["runs"][ev_engine.TARGET_ONLY]["tokens"]
