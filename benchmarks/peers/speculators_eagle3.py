@@ -456,7 +456,7 @@ def cmd_train(args) -> dict:
     t_start = time.perf_counter()
     if args.budget_s is not None and args.budget_s <= 0:
         raise PeerError("--budget-s must be positive.")
-    out = Path(args.out)
+    out = Path(args.out).resolve()
     _claim(out, RUN_MARK)
     (out / RUN_MARK).write_text("{}\n")  # claimed: a rerun may replace this folder
     settings = process_settings()
@@ -466,7 +466,8 @@ def cmd_train(args) -> dict:
 
     import torch
 
-    import speculators
+    from importlib.metadata import version
+
     from speculators.train.checkpointer import patch_config_dtype
     from speculators.train.cli import main as speculators_main
     from speculators.train.config import TrainConfig
@@ -508,7 +509,7 @@ def cmd_train(args) -> dict:
     flat = {k: _jsonable(v) for k, v in cfg.flatten().items()}
     default = {k: _jsonable(v) for k, v in TrainConfig(speculator_type="eagle3").flatten().items()}
     result = {
-        "peer": f"speculators {speculators.__version__}",
+        "peer": f"speculators {version('speculators')}",
         "command": [sys.executable, *sys.argv],
         "speculators_argv": argv,
         "samples_seen": record["samples_seen"],
