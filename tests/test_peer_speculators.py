@@ -245,3 +245,24 @@ def test_method_row_claims_speculators_folders(peer, tiny_target, verifier_folde
     finally:
         METHODS.clear()
         METHODS.update(before)
+
+
+def test_adapter_sliding_window_matches_speculators(peer, tiny_target, verifier_folder, tmp_path):
+    """A window shorter than the sequence: step 0 (keys at slot = position, as in draftsmith's proposer) agrees."""
+    folder = speculators_folder_with_norms(tiny_target, verifier_folder, tmp_path, RECIPE)
+    config = json.loads((folder / "config.json").read_text())
+    config["transformer_layer_config"].update(layer_types=["sliding_attention"], sliding_window=4,
+                                              use_sliding_window=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    head = peer.load_speculators_folder(folder)
+    assert head.sliding_window == 4
+    g = torch.Generator().manual_seed(5)
+    T = 11
+    ids = torch.randint(0, tiny_target.vocab_size, (1, T), generator=g)
+    aux = 3 * torch.randn(1, T, 3 * tiny_target.hidden_size, generator=g)
+    pos = torch.arange(T)[None]
+    theirs = speculators_logits(folder, ids, aux, pos)[0]
+    ours = adapter_logits(head, ids, aux, pos)[0]
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    head.sliding_window = None  # without the window the logits past it differ: the test sees the window
+    assert not torch.allclose(adapter_logits(head, ids, aux, pos)[0][:, 4:], theirs[:, 4:], atol=1e-3)

@@ -69,8 +69,9 @@ a nonlinearity fc cannot absorb; the other two change the layer's dataflow). So 
 head to a draftsmith EAGLE-3 folder: `eval` registers a method row (draftsmith.methods.register) whose loader builds
 `SpeculatorsEagle3Head`, draftsmith's EAGLE-3 head plus those norms, from the speculators folder itself, and
 draftsmith's own EAGLE-3 proposer drafts with it; tests/test_peer_speculators.py proves it computes speculators'
-logits. vLLM reads all four flags from the speculators config.json. Draftsmith's decoder attends over the whole
-context; the head was trained with a 2048-token sliding window, the same for contexts up to 2048 tokens.
+logits. vLLM reads all four flags from the speculators config.json. The draft layer is a sliding-window layer
+(speculators' default, window 2048; vLLM applies it too): the adapter masks keys more than the window behind a
+query's position, which matters only for contexts over 2048 tokens.
 
 Patches (each a named function below, applied at runtime in this process; no file of speculators is edited):
     cpu_device              the trainer moves the model and batches to `get_local_rank()` (0 = cuda:0) and autocasts
@@ -150,8 +151,11 @@ def select_rows(num_rows: int, samples: Optional[int], indices: Optional[list[in
     return train, val
 
 
-def _claim(folder: Path, mark: str) -> None:
-    """`folder` new, empty, or this script's own earlier output (it holds `mark`): emptied; else refused."""
+def _claim(folder: Path, mark: str, keep: Optional[Path] = None) -> None:
+    """`folder` new, empty, or this script's own earlier output (it holds `mark`): emptied; else refused. `keep`
+    (an input) must not be inside it."""
+    if keep is not None and Path(keep).resolve().is_relative_to(Path(folder).resolve()):
+        raise PeerError(f"{keep} is inside the output folder {folder}; give an output folder apart from the input.")
     if folder.exists() and not folder.is_dir():
         raise PeerError(f"{folder} is a file, not a folder.")
     if folder.is_dir() and any(folder.iterdir()):
@@ -201,7 +205,7 @@ def convert(data_dir: str | Path, out_dir: str | Path, train_rows: list[int], va
     if n_train == 0 or n_train == len(rows):
         raise PeerError(f"after dropping rows without a loss-masked token ({dropped}), {n_train} train and "
                         f"{len(rows) - n_train} validation rows are left; speculators needs at least one of each.")
-    _claim(out_dir, DATA_MARK)
+    _claim(out_dir, DATA_MARK, keep=data_dir)
     (out_dir / "hidden_states").mkdir()
     input_ids, loss_mask, seq_len, freq = [], [], [], Counter()
     for row, (split, i) in enumerate(rows):
@@ -457,7 +461,7 @@ def cmd_train(args) -> dict:
     if args.budget_s is not None and args.budget_s <= 0:
         raise PeerError("--budget-s must be positive.")
     out = Path(args.out).resolve()
-    _claim(out, RUN_MARK)
+    _claim(out, RUN_MARK, keep=Path(args.data))
     (out / RUN_MARK).write_text("{}\n")  # claimed: a rerun may replace this folder
     settings = process_settings()
     target, verifier = load_target_lazily(args.target)
@@ -600,6 +604,8 @@ def head_config(config: dict, where: Path):
         raise PeerError(f"{where}: {layer.get('num_hidden_layers')} draft layers; draftsmith's EAGLE-3 head has one.")
     if layer.get("attention_bias") or layer.get("mlp_bias"):
         raise PeerError(f"{where}: the draft layer has biases; draftsmith's EAGLE-3 layer has none.")
+    sliding = "sliding_attention" in (layer.get("layer_types") or []) or bool(layer.get("use_sliding_window"))
+    window = layer.get("sliding_window") if sliding else None
     for key in ("_attn_implementation", "architectures", "layer_types", "use_sliding_window"):
         layer.pop(key, None)
     llama = LlamaConfig(**layer)
@@ -609,7 +615,7 @@ def head_config(config: dict, where: Path):
     cfg.target_hidden_size = int(config.get("target_hidden_size") or llama.hidden_size)
     for flag, value in speculators_flags(config).items():
         setattr(cfg, flag, value)
-    cfg.sliding_window = layer.get("sliding_window")
+    cfg.sliding_window = int(window) if window else None
     return cfg
 
 
@@ -636,7 +642,10 @@ def _head_class():
             out = out + mlp(post_attention_layernorm(out))
             logits = lm_head(norm(out)); next h = norm(out) [norm_output] else out
 
-        With every flag off it is exactly draftsmith's Eagle3Head."""
+        Sliding window (config.sliding_window W, speculators' sliding_attention layer): a query at position p reads
+        no key slot s <= p - W. In draftsmith's EAGLE-3 proposer committed entry j sits at slot j = its position
+        and draft nodes sit past every entry (a draft slot is never W behind), so the slot test is the position
+        test vLLM applies. With every flag off and W=None it is exactly draftsmith's Eagle3Head."""
 
         def __init__(self, config):
             super().__init__(config)
@@ -648,6 +657,7 @@ def _head_class():
             self.norm_output = bool(getattr(config, "norm_output", False))
             if self.norm_before_fc and self.use_fc_norm:
                 raise PeerError("norm_before_fc and fc_norm are mutually exclusive (as in speculators).")
+            self.sliding_window = getattr(config, "sliding_window", None)
             self.input_norm = LlamaRMSNorm(3 * H_t, eps=eps) if self.norm_before_fc else None
             self.fc_norm = nn.ModuleList([LlamaRMSNorm(H_t, eps=eps) for _ in range(3)]) if self.use_fc_norm else None
 
@@ -660,6 +670,11 @@ def _head_class():
             return self.fc(x)
 
         def forward(self, input_ids, hidden, position_ids, attn_mask, kv_cache=None, cache_positions=None):
+            W = self.sliding_window
+            if W and attn_mask.shape[-1] > W:  # keys more than W behind the query's position are out of reach
+                slots = torch.arange(attn_mask.shape[-1], device=attn_mask.device)
+                in_window = slots[None, None, :] > position_ids[:, :, None] - W  # (B, T, S)
+                attn_mask = attn_mask & in_window[:, None]
             m = self.midlayer
             embeds = self.embed_tokens(input_ids).to(hidden.dtype)
             cos, sin = self.rotary_emb(hidden, position_ids)
