@@ -21,7 +21,7 @@ import json
 
 import pytest
 from safetensors import safe_open
-from test_engine_vllm import COMMON, K, MAX_TOKENS, N_PROMPTS, TRAIN, edited_copy, engine_run
+from test_engine_vllm import COMMON, K, N_PROMPTS, TRAIN, edited_copy, engine_run
 
 from draftsmith import engine
 from draftsmith.configs import compose
@@ -34,6 +34,11 @@ from draftsmith.train.run import run as train
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]
 
 NORMS = ["method.norm_before_fc=true", "method.fc_norm=true", "method.norm_output=true"]
+# 96, not test_engine_vllm.py's 48 (as test_engine_vllm_dflash.py): this head accepts most drafts, so each prompt's
+# last verification (vLLM drafts K and drops what is past max_tokens; the built-in decoder shortens the draft) moved
+# the pooled τ by 0.026 over 48 tokens (2.822 vs 2.796, 101 vs 98 drafts), above eval/engine_vllm.py's TOLERANCE,
+# with every other verification identical; twice the tokens halves its weight
+MAX_TOKENS = 96
 WORKING = "eagle3_31"
 BROKEN = "eagle3_31_norm_output_dropped"
 

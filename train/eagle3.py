@@ -63,10 +63,10 @@ class Eagle3Config:
     draft_vocab_size: int = 32000  # the most frequent assistant tokens; capped at the target's vocab
     ttt_steps: int = 7  # training-time test: unrolled draft steps per position
     ttt_decay: float = 0.8  # loss weight of TTT step k is ttt_decay**k
-    # EAGLE-3.1 norms (heads/eagle3.py; written to the export under the names vLLM reads):
-    norm_before_fc: bool = False  # one RMSNorm over the concatenated 3 target layers before fc (input_norm)
-    fc_norm: bool = False  # one RMSNorm per target layer before fc (fc_norm.{i}); with norm_before_fc: after it
-    norm_output: bool = False  # each step feeds the next its POST-norm hidden (the pre-norm one otherwise)
+    # the EAGLE-3.1 norms (heads/eagle3.py), exported under the names vLLM reads:
+    norm_before_fc: bool = False  # EAGLE-3.1: one RMSNorm over the 3 concatenated target layers before fc (input_norm)
+    fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per target layer before fc (fc_norm.{i}); after input_norm if both
+    norm_output: bool = False  # EAGLE-3.1: each step hands the next its POST-norm hidden (else the pre-norm one)
     # U(-feature_noise, feature_noise) added to every target feature while training, never in eval; 0 = off
     # (speculators' AddUniformNoise, 0.05 by default there before 0.9.0: `add_feature_noise`)
     feature_noise: float = 0.0
