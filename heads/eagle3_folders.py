@@ -5,6 +5,12 @@
     format=speculators  config.json: Eagle3DraftModel, layers.0.* instead of midlayer.*, speculators_config with the
                         greedy proposal and the verifier
 
+The EAGLE-3.1 norms (heads/eagle3.py) a head has are written only when on, under the names vLLM 0.32.0's
+`llama_eagle3.py` reads: config.json `norm_before_fc` / `fc_norm` / `norm_output` true at the top level, tensors
+`input_norm.weight` [3H_t] and `fc_norm.{i}.weight` [H_t] (`model.` + these names in vLLM); the speculators format
+writes the same flags and tensor names (speculators 0.9's `Eagle3SpeculatorConfig` and `Eagle3DraftModel`).
+Loading reads them back as vLLM does: `norm_before_fc` from `eagle_config` when it has it, else the top level.
+
 Both are written atomically (heads/folders.py `write_head_folder`); loading reads safetensors only and checks every
 tensor's name, shape and dtype.
 """
@@ -19,7 +25,7 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.engine import NUM_SPECULATIVE_TOKENS
-from draftsmith.heads.eagle3 import Eagle3Head
+from draftsmith.heads.eagle3 import NUM_AUX, Eagle3Head, norms_of
 from draftsmith.heads.folders import (CONFIG, EAGLE3_ARCHITECTURE, EMBED, WEIGHTS, build_head,
                                       config_from_json, eagle3_architecture_config, export_writer, folder_hooks,
                                       folder_tensors, layer_shapes, llama_layer_config, read_checked_tensors,
@@ -37,8 +43,11 @@ def eagle3_tensor_shapes(config) -> dict[str, tuple[int, ...]]:
     """Every tensor of the EAGLE-3 folder (embed_tokens included) and its shape, for `config`."""
     H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
     H_t = getattr(config, "target_hidden_size", None) or H
+    norms = norms_of(config)
     return {
-        "fc.weight": (H, 3 * H_t),
+        "fc.weight": (H, NUM_AUX * H_t),
+        **({"input_norm.weight": (NUM_AUX * H_t,)} if norms["norm_before_fc"] else {}),
+        **({f"fc_norm.{i}.weight": (H_t,) for i in range(NUM_AUX)} if norms["fc_norm"] else {}),
         "midlayer.hidden_norm.weight": (H,),
         **layer_shapes(config, "midlayer.", 2 * H),  # q/k/v read [embedding; hidden]
         "norm.weight": (H,),
@@ -68,6 +77,7 @@ def save_eagle3(head: Eagle3Head, folder: str | os.PathLike, manifest_target: di
     folder = Path(folder)
     tensors = head_tensors(head, dtype, include_embeddings)
     config = eagle3_architecture_config(head.config, manifest_target, dtype or head.fc.weight.dtype)
+    config.update({name: True for name, on in norms_of(head.config).items() if on})  # vLLM's defaults are false
     config.update(extra_config or {})
     return write_head_folder(folder, tensors, config, head.config.draft_vocab_size, manifest_target, stage, "eagle3")
 
@@ -82,13 +92,24 @@ def load_eagle3(folder: str | os.PathLike, device="cpu", dtype: Optional[torch.d
     folder = Path(folder)
     if not folder.is_dir():
         raise DraftsmithError(f"head folder {folder} does not exist.")
-    config = config_from_json(read_config_json(folder), folder / CONFIG)
+    fields = read_config_json(folder)
+    config = config_from_json(fields, folder / CONFIG)
+    for name, on in norms_in_json(fields).items():
+        setattr(config, name, on)
     expected = eagle3_tensor_shapes(config)
     tensors = read_checked_tensors(folder / WEIGHTS, expected, optional=(EMBED,))
     head = build_head(Eagle3Head, config, with_target_embeddings(tensors, expected, folder, target_embeddings),
                       device, dtype)
     head.embed_tokens.weight.requires_grad_(False)
     return head
+
+
+def norms_in_json(config: dict) -> dict[str, bool]:
+    """The EAGLE-3.1 norms an EAGLE-3 config.json asks for, read as vLLM's `llama_eagle3.py` reads them:
+    `eagle_config["norm_before_fc"]` when present, else the top-level key; `fc_norm`, `norm_output` at the top."""
+    eagle_config = config.get("eagle_config") or {}
+    return {"norm_before_fc": bool(eagle_config.get("norm_before_fc", config.get("norm_before_fc", False))),
+            "fc_norm": bool(config.get("fc_norm", False)), "norm_output": bool(config.get("norm_output", False))}
 
 
 # ---- format=speculators -----------------------------------------------------------------------------
@@ -100,11 +121,11 @@ def speculators_name(name: str) -> str:
 
 def speculators_config_json(head: Eagle3Head, verifier: Optional[str], num_speculative_tokens: int,
                             manifest_target: Optional[dict], dtype: torch.dtype) -> dict:
-    """config.json of the speculators format for our architecture (no extra norms, raw-h residual)."""
+    """config.json of the speculators format for our architecture (raw-h residual, the head's EAGLE-3.1 norms)."""
     layer = llama_layer_config(head.config)
     layer["architectures"] = ["LlamaForCausalLM"]
     return speculators_fields(head.config, SPECULATORS_ARCHITECTURE, "eagle3", layer, verifier, num_speculative_tokens,
-                              manifest_target, dtype, embed_requires_grad=False)
+                              manifest_target, dtype, embed_requires_grad=False, norms=norms_of(head.config))
 
 
 def save_speculators(head: Eagle3Head, folder: str | os.PathLike, verifier: Optional[str] = None,
@@ -113,6 +134,11 @@ def save_speculators(head: Eagle3Head, folder: str | os.PathLike, verifier: Opti
     """Write the head in vLLM's speculators format (atomically) and return the folder."""
     if num_speculative_tokens < 1:
         raise DraftsmithError(f"export.num_speculative_tokens={num_speculative_tokens} must be at least 1.")
+    norms = norms_of(head.config)
+    if norms["norm_before_fc"] and norms["fc_norm"]:
+        raise DraftsmithError("format=speculators cannot hold this head: it has both norm_before_fc and fc_norm, which "
+                              "speculators 0.9's Eagle3SpeculatorConfig refuses together; export format=eagle3, where "
+                              "vLLM applies both.")
     folder = Path(folder)
     dtype = dtype or head.fc.weight.dtype
     tensors = {speculators_name(n): t for n, t in head_tensors(head, dtype, include_embeddings).items()}

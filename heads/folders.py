@@ -146,9 +146,11 @@ def explicit_aux_layer_ids(manifest_target: Optional[dict]) -> Optional[list[int
 
 def speculators_fields(config, architecture: str, model_type: str, layer: dict, verifier: Optional[str],
                        num_speculative_tokens: int, manifest_target: Optional[dict], dtype: torch.dtype,
-                       embed_requires_grad: bool, extra: Optional[dict] = None) -> dict:
-    """config.json of the speculators format for our layer (no extra norms, raw-h residual): what every method's
-    speculators folder shares; `extra` (e.g. P-EAGLE's mask_token_id) follows the aux-layer ids."""
+                       embed_requires_grad: bool, extra: Optional[dict] = None,
+                       norms: Optional[dict[str, bool]] = None) -> dict:
+    """config.json of the speculators format for our layer (raw-h residual; no extra norms unless `norms` turns
+    some of norm_before_fc / fc_norm / norm_output on): what every method's speculators folder shares; `extra`
+    (e.g. P-EAGLE's mask_token_id) follows the aux-layer ids."""
     aux = (manifest_target or {}).get("aux_layer_ids")
     num_layers = (manifest_target or {}).get("num_layers")
     if aux is None and num_layers is not None:
@@ -164,11 +166,9 @@ def speculators_fields(config, architecture: str, model_type: str, layer: dict, 
         # speculators uses HF hidden_states indices, as we do (2, N//2, N-3 by default)
         "eagle_aux_hidden_state_layer_ids": [int(i) for i in aux] if aux is not None else None,
         **(extra or {}),
-        # What our layer does: residual = un-normed h, no norm on the fused features, pre-norm h fed back.
+        # What our layer does: residual = un-normed h; by default no norm on the fused features, pre-norm h fed back.
         "norm_before_residual": False,
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        **{"norm_before_fc": False, "fc_norm": False, "norm_output": False, **(norms or {})},
         "embed_requires_grad": bool(embed_requires_grad),
         "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),

@@ -3,7 +3,8 @@
 Every draft round of `speculative_generate` with a real `Eagle3Proposer` is recorded (its committed
 sequence, its draft and its logits at each depth), then the training-time-test unroll of
 train/eagle3.py is run on the same sequence teacher-forced along the drafted tokens, with the
-target's features from one plain HF forward: the logits must agree at every depth of every round.
+target's features from one plain HF forward: the logits must agree at every depth of every round, for a head
+without and with the EAGLE-3.1 norms (norm_output: both hand the POST-norm hidden to the next step).
 """
 
 import pytest
@@ -34,14 +35,24 @@ def _target():
     return model
 
 
-def _head(target):
+def _head(target, **norms):
+    """`norms`: the EAGLE-3.1 norms it has (norm_before_fc=True, ...), their weights random so that they matter."""
     torch.manual_seed(4)  # a head whose greedy drafts are sometimes accepted
-    head = Eagle3Head(eagle3_config_from_target(target.config, VD)).double().eval()
+    head = Eagle3Head(eagle3_config_from_target(target.config, VD, **norms)).double().eval()
     used = torch.tensor([0, 1, 2, 4, 5, 7, 8, 10, 11])  # the draft vocab's target ids
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[used] = True
     head.init_from_target(target, used - torch.arange(VD), t2d)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.startswith(("input_norm", "fc_norm")):
+                p.uniform_(0.5, 1.5)
     return head
+
+
+# the EAGLE-3.1 norms: none, the post-norm hidden handed on alone, and all three
+NORMS = {"plain": {}, "norm_output": {"norm_output": True},
+         "all_norms": {"norm_before_fc": True, "fc_norm": True, "norm_output": True}}
 
 
 class RecordingProposer(Eagle3Proposer):
@@ -71,10 +82,11 @@ def _features(target, ids: list[int]) -> torch.Tensor:
     return torch.cat([hs[i] for i in AUX], dim=-1)
 
 
+@pytest.mark.parametrize("norms", list(NORMS))
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])
-def test_proposer_logits_in_the_decode_loop_equal_the_ttt_unroll(sampling):
+def test_proposer_logits_in_the_decode_loop_equal_the_ttt_unroll(sampling, norms):
     target, prompt = _target(), torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
-    head = _head(target)
+    head = _head(target, **NORMS[norms])
     proposer = RecordingProposer(head, V, 96)
     runner = TargetRunner(target, 96, AUX)
     g = torch.Generator().manual_seed(0)

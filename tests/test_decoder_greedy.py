@@ -40,9 +40,9 @@ def _draft_llama(vocab, seed):
     return LlamaForCausalLM(cfg).double().eval()
 
 
-def _eagle_head(target, draft_vocab=200, seed=0):
+def _eagle_head(target, draft_vocab=200, seed=0, **norms):
     torch.manual_seed(seed)
-    head = Eagle3Head(eagle3_config_from_target(target.model.config, draft_vocab)).double().eval()
+    head = Eagle3Head(eagle3_config_from_target(target.model.config, draft_vocab, **norms)).double().eval()
     used = torch.sort(torch.randperm(target.vocab_size)[:draft_vocab]).values
     t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
     t2d[used] = True
@@ -59,6 +59,8 @@ def _proposers(target):
     return {
         "ngram": NgramProposer(ngram_max=3, ngram_min=1),
         "eagle3": Eagle3Proposer(_eagle_head(target), target.vocab_size, 256),
+        "eagle3_all_norms": Eagle3Proposer(_eagle_head(target, norm_before_fc=True, fc_norm=True, norm_output=True),
+                                           target.vocab_size, 256),  # EAGLE-3.1's norms
         "draft_model": DraftModelProposer(_draft_llama(target.vocab_size, 1), target.vocab_size, 256),
         "self": _self_draft(target),
     }

@@ -19,10 +19,12 @@ from draftsmith.heads.vocab import build_vocab_map
 DRAFT_VOCAB = 100
 
 
-def random_head(target, draft_vocab: int = DRAFT_VOCAB, seed: int = 0, target_hidden_size=None) -> Eagle3Head:
-    """A head initialised from `target` with every other weight random (norms too, so swaps show)."""
+def random_head(target, draft_vocab: int = DRAFT_VOCAB, seed: int = 0, target_hidden_size=None,
+                **norms: bool) -> Eagle3Head:
+    """A head initialised from `target` with every other weight random (norms too, so swaps show); `norms`: the
+    EAGLE-3.1 norms it has (norm_before_fc=True, ...)."""
     torch.manual_seed(seed)
-    config = eagle3_config_from_target(target.model.config, draft_vocab)
+    config = eagle3_config_from_target(target.model.config, draft_vocab, **norms)
     if target_hidden_size:
         config.target_hidden_size = target_hidden_size
     head = Eagle3Head(config)
@@ -30,7 +32,7 @@ def random_head(target, draft_vocab: int = DRAFT_VOCAB, seed: int = 0, target_hi
     head.init_from_target(target.model, *build_vocab_map(counts, config.draft_vocab_size))
     with torch.no_grad():
         for name, p in head.named_parameters():
-            if name.startswith(("fc", "midlayer", "norm")):
+            if name.startswith(("fc", "midlayer", "norm", "input_norm")):  # fc_norm.* too
                 p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
     return head
 

@@ -1,5 +1,6 @@
 """Outside check: vLLM's `speculators` package loads our speculators-format export and computes
-the same logits as our head, step 0 and the training-time-test steps after it.
+the same logits as our head, step 0 and the training-time-test steps after it, with and without the
+EAGLE-3.1 norms it holds.
 
 Needs `pip install --no-deps "speculators==0.9.*"` plus its light dependencies (see the CI setup).
 """
@@ -60,8 +61,14 @@ def our_logits(head, ids, aux, pos) -> list[torch.Tensor]:
     return steps
 
 
-def test_speculators_loads_our_export_and_agrees_on_logits(tiny_target, verifier_folder, tmp_path):
-    head = random_head(tiny_target)
+# EAGLE-3.1 norms speculators 0.9 holds (its config refuses norm_before_fc with fc_norm)
+NORMS = {"plain": {}, "norm_before_fc+norm_output": {"norm_before_fc": True, "norm_output": True},
+         "fc_norm+norm_output": {"fc_norm": True, "norm_output": True}}
+
+
+@pytest.mark.parametrize("norms", list(NORMS))
+def test_speculators_loads_our_export_and_agrees_on_logits(tiny_target, verifier_folder, tmp_path, norms):
+    head = random_head(tiny_target, **NORMS[norms])
     folder = save_speculators(head, tmp_path / "spec", verifier=str(verifier_folder),
                               manifest_target=tiny_target.identity(), dtype=torch.float32)
     model = load_with_speculators(folder)
@@ -69,6 +76,12 @@ def test_speculators_loads_our_export_and_agrees_on_logits(tiny_target, verifier
     assert torch.equal(model.d2t, head.d2t) and torch.equal(model.t2d, head.t2d)
     # our weights, not the verifier's, were loaded (speculators fills only what is missing)
     assert torch.equal(model.lm_head.weight, head.lm_head.weight)
+    assert (model.input_norm is not None, model.fc_norm is not None, model.config.norm_output) == (
+        head.input_norm is not None, head.fc_norm is not None, head.norm_output)
+    if head.input_norm is not None:  # its loader ignores a missing input_norm.weight: ours must be the one it holds
+        assert torch.equal(model.input_norm.weight, head.input_norm.weight)
+    for mine, theirs in zip(head.fc_norm or [], model.fc_norm or []):
+        assert torch.equal(mine.weight, theirs.weight)
 
     g = torch.Generator().manual_seed(3)
     T = 13

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from draftsmith.data_gen.target import TargetConfig, load_target
@@ -12,10 +13,10 @@ from draftsmith.train.eagle3 import eagle3_loss, ttt_unroll
 from draftsmith.train.features import TargetHead
 
 
-def _setup(steps=4, T=11, B=2, draft_vocab=200):
+def _setup(steps=4, T=11, B=2, draft_vocab=200, **norms):
     torch.manual_seed(0)
     target = load_target(TargetConfig(name="tiny", dtype="float64"))
-    head = Eagle3Head(eagle3_config_from_target(target.model.config, draft_vocab)).double()
+    head = Eagle3Head(eagle3_config_from_target(target.model.config, draft_vocab, **norms)).double()
     counts = torch.randint(0, 100, (target.vocab_size,))
     d2t, t2d = build_vocab_map(counts, draft_vocab)
     head.init_from_target(target.model, d2t, t2d)
@@ -46,9 +47,11 @@ def reference_logits(head, input_ids, fused, b, t, steps):
     return out
 
 
-def test_unroll_matches_autoregressive_drafting():
+@pytest.mark.parametrize("norms", [{}, {"norm_output": True}, {"norm_before_fc": True, "fc_norm": True,
+                                                                 "norm_output": True}], ids=["plain", "norm_output", "all_norms"])
+def test_unroll_matches_autoregressive_drafting(norms):
     steps = 4
-    _, head, input_ids, attention_mask, aux, _ = _setup(steps)
+    _, head, input_ids, attention_mask, aux, _ = _setup(steps, **norms)
     fused = head.fuse(aux)
     with torch.no_grad():
         unrolled = list(ttt_unroll(head, input_ids, fused, attention_mask, steps))

@@ -20,22 +20,32 @@ def tiny_data(tmp_path_factory):
     return make_tiny_data(tmp_path_factory.mktemp("data"), target, n=12, hidden_states=True)
 
 
-def _cfg(data, out, deepspeed="zero2", **kw):
+def _cfg(data, out, deepspeed="zero2", method=None, **kw):
     cfg = OmegaConf.structured(TrainConfig(
-        data=str(data), out=str(out), target=TargetConfig(name="tiny"), method=Eagle3Config(draft_vocab_size=128, ttt_steps=3),
+        data=str(data), out=str(out), target=TargetConfig(name="tiny"),
+        method=Eagle3Config(draft_vocab_size=128, ttt_steps=3, **(method or {})),
         micro_batch_size=2, grad_accum=2, epochs=2, save_every=2, keep_last=5, lr=3e-3, warmup_ratio=0.2,
         progress=False, deepspeed=DeepSpeedConfig(deepspeed), **kw))
     cfg.wandb.mode = "disabled"
     return cfg
 
 
-@pytest.mark.parametrize("deepspeed", ["none", "zero2"])
-def test_resume_is_exact(tiny_data, tmp_path, deepspeed):
-    full = run(_cfg(tiny_data, tmp_path / "full", deepspeed=deepspeed))
+# issue 23's recipe options: the EAGLE-3.1 norms with feature noise (drawn from the checkpointed CPU RNG), and Muon
+# (its momentum buffers in the checkpoint's optimizer state)
+RECIPES = {"adamw": {}, "norms_noise": {"method": {"norm_before_fc": True, "fc_norm": True, "norm_output": True,
+                                                   "feature_noise": 0.05}},
+           "muon": {"optimizer": "muon"}}
+
+
+@pytest.mark.parametrize("deepspeed,recipe", [("none", "adamw"), ("zero2", "adamw"), ("none", "norms_noise"),
+                                              ("none", "muon")])
+def test_resume_is_exact(tiny_data, tmp_path, deepspeed, recipe):
+    options = RECIPES[recipe]
+    full = run(_cfg(tiny_data, tmp_path / "full", deepspeed=deepspeed, **options))
     assert full["steps"] == 6
     with pytest.raises(RuntimeError, match="simulated crash"):
-        run(_cfg(tiny_data, tmp_path / "cut", deepspeed=deepspeed, fail_at_step=3))
-    resumed = run(_cfg(tiny_data, tmp_path / "cut", deepspeed=deepspeed, resume="true"))
+        run(_cfg(tiny_data, tmp_path / "cut", deepspeed=deepspeed, fail_at_step=3, **options))
+    resumed = run(_cfg(tiny_data, tmp_path / "cut", deepspeed=deepspeed, resume="true", **options))
     a = load_file(str(tmp_path / "full/checkpoints/step_00000006/head.safetensors"))
     b = load_file(str(tmp_path / "cut/checkpoints/step_00000006/head.safetensors"))
     assert a.keys() == b.keys()
@@ -45,3 +55,20 @@ def test_resume_is_exact(tiny_data, tmp_path, deepspeed):
     # the vocab map came from the checkpoint, and the loss went down
     lines = (tmp_path / "full/metrics.jsonl").read_text().splitlines()
     assert len(lines) == 6
+
+
+@pytest.mark.parametrize("recipe,restore", [("norms_noise", "read_rng"), ("muon", "load_optimizer")])
+def test_resume_with_a_recipe_needs_what_the_checkpoint_restores(tiny_data, tmp_path, monkeypatch, recipe, restore):
+    """Negative control for the recipe cases above: with the feature noise on, a resume that does not restore the RNG
+    (so draws other noise), and with Muon, one that does not restore its optimizer state, end elsewhere."""
+    from draftsmith.train import checkpoint as ckpt
+
+    options = RECIPES[recipe]
+    run(_cfg(tiny_data, tmp_path / "full", deepspeed="none", **options))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(_cfg(tiny_data, tmp_path / "cut", deepspeed="none", fail_at_step=3, **options))
+    monkeypatch.setattr(ckpt, restore, lambda *args: None)
+    run(_cfg(tiny_data, tmp_path / "cut", deepspeed="none", resume="true", **options))
+    a = load_file(str(tmp_path / "full/checkpoints/step_00000006/head.safetensors"))
+    b = load_file(str(tmp_path / "cut/checkpoints/step_00000006/head.safetensors"))
+    assert max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point()) > 1e-4

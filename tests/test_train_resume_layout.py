@@ -41,3 +41,14 @@ def test_zero_needs_the_same_process_count():
         check_compatible(state("zero2", 16, 1), compat, Path("ck"), layout)
     msg = str(e.value)
     assert "16 processes with deepspeed=zero2" in msg and "= 16 and grad_accum=1" in msg and "\n" not in msg
+
+
+def test_the_optimizer_must_match_and_older_checkpoints_were_adamw():
+    compat, layout = now("none", 1, 1)
+    check_compatible(state("none", 1, 1), {**compat, "optimizer": "adamw"}, Path("ck"), layout)  # before optimizer=
+    muon = state("none", 1, 1)
+    muon["compat"]["optimizer"] = "muon"
+    with pytest.raises(DraftsmithError) as e:
+        check_compatible(muon, {**compat, "optimizer": "adamw"}, Path("ck"), layout)
+    assert str(e.value) == ("ck was written with optimizer='muon'; this run has optimizer='adamw', so it cannot resume "
+                            "exactly from it.")

@@ -1,11 +1,13 @@
 """The fast EAGLE-3 step (one causal block + per-index scores, only the rows that count, one fused soft-CE)
-equals the straightforward one it replaced, in float64: logits, loss, gradients and statistics."""
+equals the straightforward one it replaced, in float64: logits, loss, gradients and statistics (with and without
+the EAGLE-3.1 norms: the reference is the head's own forward, which hands each step's hidden on)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target, ttt_mask
@@ -56,10 +58,25 @@ def reference_loss(head, input_ids, attention_mask, loss_mask, aux, target, step
     return loss, torch.tensor(stats, dtype=torch.float64)
 
 
-def _setup(T=13, B=2, draft_vocab=150):
+@pytest.fixture(autouse=True)
+def float64_rms_norms(monkeypatch):
+    """transformers' LlamaRMSNorm computes in float32 whatever its input: in float64 here, so that the two unrolls
+    (which norm the same rows as slices of different tensors once norm_output hands on the final norm) agree to
+    float64 rounding, not float32's."""
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(LlamaRMSNorm, "forward", forward)
+
+
+# the EAGLE-3.1 norms: none, or all three (input_norm and fc_norm before fc, the post-norm hidden handed on)
+NORMS = {"plain": {}, "all_norms": {"norm_before_fc": True, "fc_norm": True, "norm_output": True}}
+
+
+def _setup(T=13, B=2, draft_vocab=150, norms="plain"):
     torch.manual_seed(0)
     target = load_target(TargetConfig(name="tiny", dtype="float64"))
-    head = Eagle3Head(eagle3_config_from_target(target.model.config, draft_vocab)).double()
+    head = Eagle3Head(eagle3_config_from_target(target.model.config, draft_vocab, **NORMS[norms])).double()
     d2t, t2d = build_vocab_map(torch.randint(0, 100, (target.vocab_size,)), draft_vocab)
     head.init_from_target(target.model, d2t, t2d)
     with torch.no_grad():  # a trained-looking head: random weights everywhere, not the init's zeros / ones
@@ -77,8 +94,9 @@ def _setup(T=13, B=2, draft_vocab=150):
     return head, input_ids, attention_mask, loss_mask, aux, tgt
 
 
-def test_unroll_equals_dense_mask_unroll():
-    head, input_ids, attention_mask, _, aux, _ = _setup()
+@pytest.mark.parametrize("norms", list(NORMS))
+def test_unroll_equals_dense_mask_unroll(norms):
+    head, input_ids, attention_mask, _, aux, _ = _setup(norms=norms)
     with torch.no_grad():
         fused = head.fuse(aux)
         fast = list(ttt_unroll(head, input_ids, fused, attention_mask, 5))
@@ -88,9 +106,10 @@ def test_unroll_equals_dense_mask_unroll():
         torch.testing.assert_close(a[real], b[real], rtol=1e-10, atol=1e-10)  # padding indices are never read
 
 
+@pytest.mark.parametrize("norms", list(NORMS))
 @pytest.mark.parametrize("steps", [1, 4, 12])  # 12 = T - 1: the last steps have (almost) no index left to score
-def test_loss_gradients_and_stats_equal_reference(steps):
-    head, input_ids, attention_mask, loss_mask, aux, tgt = _setup()
+def test_loss_gradients_and_stats_equal_reference(steps, norms):
+    head, input_ids, attention_mask, loss_mask, aux, tgt = _setup(norms=norms)
     assert not bool(tgt.argmax_in_draft.all())  # some targets fall outside the draft vocab: masked out of the loss
     stats = _assert_step_equals_reference(head, input_ids, attention_mask, loss_mask, aux, tgt, steps)
     outside = STATS.index("outside_draft")
@@ -116,12 +135,13 @@ def _assert_step_equals_reference(head, input_ids, attention_mask, loss_mask, au
     return stats
 
 
+@pytest.mark.parametrize("norms", list(NORMS))
 @pytest.mark.parametrize("prompt,steps", [((6, 8), 4), ((11, 12), 5), ((13, 13), 3)])
-def test_steps_skip_prompt_indices(prompt, steps):
+def test_steps_skip_prompt_indices(prompt, steps, norms):
     """Prompts before the loss: each TTT step computes only the indices a counted target needs
     (`ttt_spans`), and loss, gradients and statistics still equal the reference that computes every index;
     (11, 12): the last steps have nothing left to score; (13, 13): no target counts at all."""
-    head, input_ids, attention_mask, loss_mask, aux, tgt = _setup()
+    head, input_ids, attention_mask, loss_mask, aux, tgt = _setup(norms=norms)
     loss_mask[0, :prompt[0]] = 0
     loss_mask[1, :prompt[1]] = 0
     valid = loss_mask.bool() & attention_mask.bool()

@@ -115,6 +115,7 @@ def check_compatible(state: dict, compat: dict, path: Path, layout: Optional[dic
         raise DraftsmithError(f"{path} is a {state.get('method')!r} checkpoint; this run trains method={compat.get('method')!r}.")
     was, now = saved_layout(state), layout or {}
     saved = state["compat"]
+    saved.setdefault("optimizer", "adamw")  # a checkpoint from before optimizer= existed was trained with AdamW
     for key, want in compat.items():
         if saved.get(key) == want:
             continue
@@ -206,7 +207,9 @@ def write_rng(folder: Path, rank: int) -> None:
 
 def read_rng(folder: Path, rank: int) -> None:
     """This rank's RNG state. A rank the checkpoint's run did not have (resumed on more processes) keeps the RNG
-    seeded at start: nothing in a training step draws from it (no dropout; the data order has its own seeded RNG)."""
+    seeded at start. Nothing of the EAGLE-3 step draws from it by default (no dropout; the data order has its own
+    seeded RNG); what does (P-EAGLE's depth and DFlash's anchor sampling, EAGLE-3's method.feature_noise) resumes
+    exactly on the same process count, not on another, where the micro-batches meet other ranks' RNG."""
     if not (folder / f"rng_rank{rank}.json").is_file():
         world = saved_layout(read_state(folder)).get("world_size")
         if world is not None and rank >= world:

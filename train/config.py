@@ -73,6 +73,12 @@ class TrainConfig:
     warmup_ratio: float = 0.02  # share of the steps with linear warm-up
     weight_decay: float = 0.0  # AdamW weight decay
     betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas
+    # adamw | muon (torch's Muon over the 2-D weight matrices, AdamW over norms and lm_head: train/optimizers.py;
+    # plain torch only, deepspeed=none)
+    optimizer: str = "adamw"
+    muon_lr: Optional[float] = None  # Muon's peak learning rate (its update RMS matched to AdamW's); null = lr
+    muon_momentum: float = 0.95  # Muon's momentum (Nesterov)
+    muon_weight_decay: float = 0.1  # Muon's decoupled weight decay
     grad_clip: float = 0.5  # max gradient norm; 0 = off
     # auto (bf16 where this machine computes bf16 fast, else fp32: draftsmith.machine) | fp32 | bf16 (autocast, fp32
     # master weights) | fp16 (DeepSpeed loss scaling)
@@ -112,6 +118,17 @@ class TrainConfig:
             raise DraftsmithError(f"betas={list(self.betas)} must be two numbers in [0, 1).")
         for beta in self.betas:
             checks.in_range("betas entry", beta, 0, 1, high_open=True)
+        checks.one_of("optimizer", self.optimizer, ("adamw", "muon"))
+        checks.positive("muon_lr", self.muon_lr, null="lr")
+        checks.in_range("muon_momentum", self.muon_momentum, 0, 1, high_open=True)
+        checks.at_least("muon_weight_decay", self.muon_weight_decay, 0)
+        if self.optimizer == "muon" and self.deepspeed.config not in ("auto", "none"):
+            raise DraftsmithError(f"optimizer=muon runs with plain torch (deepspeed=none, DDP with several processes), "
+                                  f"not deepspeed={self.deepspeed.config}: ZeRO flattens and partitions the weight "
+                                  f"matrices Muon orthogonalises whole.")
+        if self.optimizer == "muon" and self.precision == "fp16":
+            raise DraftsmithError("optimizer=muon runs without DeepSpeed, whose loss scaling precision=fp16 needs; use "
+                                  "precision=bf16 or fp32.")
         checks.at_least("grad_clip", self.grad_clip, 0)
         checks.one_of("precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
         if self.precision == "fp16" and self.deepspeed.config == "none":

@@ -4,6 +4,7 @@ Conventions (index t of a sequence x_0 .. x_{T-1}; f_t = the target's fused feat
 
     step 0, index t:  token x_{t+1},   hidden fc(f_t),                 position t
     step i, index t:  token x_{t+1+i}, hidden = step i-1's PRE-norm output at t, position t+i
+                      (its POST-norm output with method.norm_output: EAGLE-3.1, as vLLM drafts with it)
     target at step i, index t: softmax(target logits at position t+1+i) over the draft vocab
                                (t2d rows only, renormalised)
     loss  = sum_i 0.8^i * soft-CE(target probs, draft log-probs), averaged over positions where
@@ -21,6 +22,10 @@ Each step runs the decoder layer only over the indices a counted target needs (`
 before the first loss-masked position is computed once, as step-0 keys), and only the positions that
 count pass the final norm, the lm_head and the loss (`SoftCE`: one pass over
 row chunks for the loss, its gradient and the statistics).
+
+Options beyond the TTT depth and decay (all off by default): the EAGLE-3.1 norms of the head (heads/eagle3.py:
+`norm_before_fc`, `fc_norm`, `norm_output`) and `feature_noise`, uniform noise on the target's features while
+training (`add_feature_noise`).
 
 Logged per step i: loss, accuracy (draft argmax mapped to target ids == target argmax) and the
 expected acceptance alpha_i = sum_v min(p_v, q_v), p the target's full-vocab probabilities on the
@@ -43,7 +48,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
 from draftsmith import checks
-from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
+from draftsmith.heads.eagle3 import NORMS, Eagle3Head, eagle3_config_from_target
 from draftsmith.train.features import TargetSide, target_prepare, vocab_map_for
 from draftsmith.train.stats import CHAIN_STATS, STEP_STATS, summarize_steps
 
@@ -58,12 +63,20 @@ class Eagle3Config:
     draft_vocab_size: int = 32000  # the most frequent assistant tokens; capped at the target's vocab
     ttt_steps: int = 7  # training-time test: unrolled draft steps per position
     ttt_decay: float = 0.8  # loss weight of TTT step k is ttt_decay**k
+    # the EAGLE-3.1 norms (heads/eagle3.py), exported under the names vLLM reads:
+    norm_before_fc: bool = False  # EAGLE-3.1: one RMSNorm over the 3 concatenated target layers before fc (input_norm)
+    fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per target layer before fc (fc_norm.{i}); after input_norm if both
+    norm_output: bool = False  # EAGLE-3.1: each step hands the next its POST-norm hidden (else the pre-norm one)
+    # U(-feature_noise, feature_noise) added to every target feature while training, never in eval; 0 = off
+    # (speculators' AddUniformNoise, 0.05 by default there before 0.9.0: `add_feature_noise`)
+    feature_noise: float = 0.0
 
     def __post_init__(self):
         checks.one_of("method.name", self.name, ("eagle3",))
         checks.at_least("method.draft_vocab_size", self.draft_vocab_size, 1)
         checks.at_least("method.ttt_steps", self.ttt_steps, 1)
         checks.positive("method.ttt_decay", self.ttt_decay)
+        checks.at_least("method.feature_noise", self.feature_noise, 0)
 
 
 # Columns of the per-step statistics tensor `Eagle3Step.forward` returns, summed over positions (train/stats.py):
@@ -94,7 +107,8 @@ def ttt_spans(valid: torch.Tensor, steps: int) -> list[tuple[int, int]]:
 def ttt_hidden(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Tensor,
                attention_mask: torch.Tensor, steps: int, spans: Optional[list[tuple[int, int]]] = None):
     """Yield the pre-norm hidden (B, hi - lo, H) of each TTT step over its index range [lo, hi) from `spans`
-    (`ttt_spans`; default every index); index t of step i drafts x_{t+2+i}.
+    (`ttt_spans`; default every index); index t of step i drafts x_{t+2+i}. The next step reads it, or with
+    head.norm_output its final norm, as `head.forward` hands it on.
 
     input_ids (B, T) right-padded, hidden (B, T, H) = head.fuse(aux), attention_mask (B, T).
 
@@ -121,6 +135,8 @@ def ttt_hidden(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Tensor,
     prev_lo = 0
     for i, (lo, hi) in enumerate(spans):
         h_in = hidden[:, lo - prev_lo:hi - prev_lo]  # this range of the previous step's output (or of fc(f))
+        if i > 0 and head.norm_output:
+            h_in = head.norm(h_in)  # what the previous step hands on with norm_output (vLLM's aux_output)
         x = x0[:, lo:hi] if i == 0 else torch.cat([emb[:, i + lo:i + hi], layer.hidden_norm(h_in)], dim=-1)
         attn = ttt_attention(layer.self_attn, x, cos_all[:, i + lo:i + hi], sin_all[:, i + lo:i + hi], keys, values,
                              los, lo, step0_ok[..., lo:hi, :], x0 if i == 0 else None, cos_all[:, :end], sin_all[:, :end])
@@ -259,18 +275,39 @@ def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, attention_mask: torch
     return loss, torch.stack(stats)
 
 
+def add_feature_noise(aux: torch.Tensor, scale: float) -> torch.Tensor:
+    """aux + U(-scale, scale), element-wise and absolute (not relative to the features' size), as speculators'
+    `AddUniformNoise` did: `tensor + 2 * (rand_like(tensor) - 0.5) * std`, std 0.05 by default (its
+    train/noise_transforms.py before 0.9.0, whose training loader no longer adds any noise), applied by its data
+    loader to the training rows' `hidden_states`, the concatenated target layers that go into fc, and never to the
+    verifier's last hidden state (the targets) nor to the validation rows. Here too: on the (B, T, 3H_t) features,
+    before input_norm / fc_norm / fc, the target distributions untouched.
+
+    Deterministic under the run's seed, and exact on resume: the noise is drawn on aux's device by a generator
+    seeded from one draw of torch's CPU generator, which the run seeds and every checkpoint saves per rank (as
+    P-EAGLE's and DFlash's sampling draw from it)."""
+    seed = int(torch.randint(0, 2 ** 62, ()))
+    g = torch.Generator(device=aux.device).manual_seed(seed)
+    u = torch.rand(aux.shape, generator=g, device=aux.device, dtype=aux.dtype)  # U[0, 1)
+    return aux + (2 * u - 1) * scale
+
+
 class Eagle3Step(nn.Module):
     """The trainable module the trainer wraps: the drafter plus its loss (the target stays outside).
 
     forward(batch) -> (loss, stats); batch holds input_ids, attention_mask, loss_mask, aux and the
     TargetSide computed by `TargetHead` beforehand. `drafter` is what checkpoints and final/ hold.
+    With feature_noise > 0 the features are noised in training mode only: the trainer's held-out evaluation runs the
+    module in eval mode, on the clean features (as speculators noises its training set, not its validation set).
     """
 
-    def __init__(self, drafter: Eagle3Head, steps: int, decay: float):
+    def __init__(self, drafter: Eagle3Head, steps: int, decay: float, feature_noise: float = 0.0):
         super().__init__()
-        self.drafter, self.steps, self.decay = drafter, steps, decay
+        self.drafter, self.steps, self.decay, self.feature_noise = drafter, steps, decay, feature_noise
 
     def forward(self, input_ids, attention_mask, loss_mask, aux, target: TargetSide):
+        if self.training and self.feature_noise > 0:  # off: nothing is drawn, the step is the one without noise
+            aux = add_feature_noise(aux.to(self.drafter.fc.weight.dtype), self.feature_noise)  # in the weights' dtype
         return eagle3_loss(self.drafter, input_ids, attention_mask, loss_mask, aux, target, self.steps, self.decay)
 
 
@@ -280,7 +317,8 @@ def new_eagle3(target, cfg: Eagle3Config, train, resume: Optional[Path]) -> Eagl
     """A head for `target`: the vocab map from the training rows' assistant tokens (or, on resume,
     from the checkpoint: never rebuilt), embeddings and lm_head rows copied from the target."""
     d2t, t2d = vocab_map_for(target, cfg.draft_vocab_size, train, resume)
-    head = Eagle3Head(eagle3_config_from_target(target.model.config, d2t.numel()))
+    head = Eagle3Head(eagle3_config_from_target(target.model.config, d2t.numel(),
+                                                **{name: getattr(cfg, name) for name in NORMS}))
     head.init_from_target(target.model, d2t, t2d)
     return head
 
@@ -289,7 +327,8 @@ def eagle3_training(head: Eagle3Head, target, cfg: Eagle3Config, mode: str,
                     autocast: Callable) -> tuple[Eagle3Step, Callable[[dict], dict]]:
     """(the module to train, `prepare(batch)`): prepare adds the target side under no_grad:
     features (online: the target runs; offline: the batch carries them) and its distributions."""
-    return Eagle3Step(head, cfg.ttt_steps, cfg.ttt_decay), target_prepare(head.t2d, target, mode, autocast)
+    return (Eagle3Step(head, cfg.ttt_steps, cfg.ttt_decay, cfg.feature_noise),
+            target_prepare(head.t2d, target, mode, autocast))
 
 
 # the method table's hooks (draftsmith.methods)

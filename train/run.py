@@ -59,7 +59,8 @@ def compat_fields(cfg, identity: dict, world: int, n_train: int, total_steps: in
               "tokenizer_hash": identity["tokenizer_hash"], "hidden_size": identity["hidden_size"],
               "deepspeed": cfg.deepspeed.config, "micro_batch_size": cfg.micro_batch_size,
               "global_batch": cfg.micro_batch_size * cfg.grad_accum * world, "train_samples": n_train,
-              "total_steps": total_steps, "precision": cfg.precision, "seed": cfg.seed}
+              "total_steps": total_steps, "precision": cfg.precision, "seed": cfg.seed,
+              "optimizer": cfg.optimizer}  # the optimizer state's layout (Muon's groups and buffers are not AdamW's)
     if cfg.deepspeed.config != "none":
         fields["world_size"] = world
     if cfg.eval_every > 0:  # the best-so-far in the checkpoint is by this metric, at these steps
@@ -74,7 +75,7 @@ def resolve_auto(cfg) -> dict:
     requested = {"target.dtype": cfg.target.dtype, "precision": cfg.precision, "deepspeed": cfg.deepspeed.config}
     why = {"target.dtype": resolve_target_dtype(cfg.target)}
     cfg.precision, why["precision"] = resolve_precision(cfg.precision, cfg.device)
-    cfg.deepspeed.config, why["deepspeed"] = resolve_deepspeed(cfg.deepspeed.config)
+    cfg.deepspeed.config, why["deepspeed"] = resolve_deepspeed(cfg.deepspeed.config, optimizer=cfg.optimizer)
     if requested["deepspeed"] == "auto":
         log.info(f"deepspeed auto -> {cfg.deepspeed.config}: {why['deepspeed']}")
     values = {"target.dtype": cfg.target.dtype, "precision": cfg.precision, "deepspeed": cfg.deepspeed.config}

@@ -1,9 +1,10 @@
 """The one trainer: distributed setup, wrapping a built module for training, the loop, checkpoints.
 
-    resolve_deepspeed -> (name, why)     deepspeed=auto: none for one process, zero2 for several
+    resolve_deepspeed -> (name, why)     deepspeed=auto: none for one process (or optimizer=muon), zero2 for several
     resolve_precision -> (name, why)     precision=auto: bf16 where this machine computes bf16 fast, else fp32
     init_distributed  -> (rank, world)   torchrun / deepspeed launchers, or a single process
-    wrap_for_training -> Wrapped         DeepSpeed ZeRO 1/2/3 engine, or plain torch (DDP when world > 1)
+    wrap_for_training -> Wrapped         DeepSpeed ZeRO 1/2/3 engine, or plain torch (DDP when world > 1), with the
+                                         optimizer=adamw | muon (train/optimizers.py)
     train_loop        -> dict            LR -> micro-steps -> clip + step -> log -> checkpoint
 
 The method's step (its entry in draftsmith.methods; EAGLE-3's is train/eagle3.py) is a module
@@ -37,6 +38,7 @@ from draftsmith.procenv import launched_processes
 from draftsmith.progress import progress
 from draftsmith.train import checkpoint as ckpt
 from draftsmith.train.data import TrainData, batch_order, collate, micro_batches
+from draftsmith.train.optimizers import build_optimizer
 
 DS_CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "deepspeed"
 
@@ -59,6 +61,10 @@ class TrainerConfig:
     warmup_ratio: float
     weight_decay: float
     betas: tuple[float, float]
+    optimizer: str  # adamw | muon (train/optimizers.py)
+    muon_lr: Optional[float]
+    muon_momentum: float
+    muon_weight_decay: float
     grad_clip: float
     save_every: int
     keep_last: int
@@ -76,13 +82,18 @@ class TrainerConfig:
         return TrainerConfig(deepspeed=cfg.deepspeed.config, **values)
 
 
-def resolve_deepspeed(requested: str, environ: Optional[Mapping[str, str]] = None) -> tuple[str, str]:
+def resolve_deepspeed(requested: str, environ: Optional[Mapping[str, str]] = None,
+                      optimizer: str = "adamw") -> tuple[str, str]:
     """(deepspeed preset or JSON, why). auto: none (plain torch, as deepspeed=none) for one process, so that
     nothing of DeepSpeed is imported and none of its ops is JIT-built (on CPU it compiles them with g++ on
-    first use); zero2 when launched with several processes (procenv.launched_processes of `environ`)."""
+    first use); zero2 when launched with several processes (procenv.launched_processes of `environ`), unless
+    optimizer=muon, which ZeRO cannot hold (train/optimizers.py): then none, DDP over the processes."""
     if requested != "auto":
         return requested, "as requested"
     processes, source = launched_processes(environ)
+    if optimizer == "muon":
+        return "none", (f"optimizer=muon: plain torch (DDP over {processes} processes), as ZeRO cannot hold Muon's "
+                        f"whole weight matrices" if processes > 1 else "one process: plain torch, no DeepSpeed")
     if processes > 1:
         return "zero2", f"{processes} processes ({source}={processes}): DeepSpeed ZeRO-2"
     return "none", "one process: plain torch, no DeepSpeed"
@@ -200,8 +211,7 @@ class Wrapped:
 
 def wrap_for_training(module: nn.Module, cfg, world: int, total_steps: int) -> Wrapped:
     """The one function that turns a built module into something trainable (DeepSpeed or plain torch)."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    optimizer = build_optimizer(module, cfg)
     warmup = max(1, int(cfg.warmup_ratio * total_steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_lambda(warmup, total_steps, cfg.min_lr_ratio))
     if cfg.deepspeed == "none":
@@ -213,7 +223,8 @@ def wrap_for_training(module: nn.Module, cfg, world: int, total_steps: int) -> W
     import deepspeed
 
     engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=module, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler,
+        model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], optimizer=optimizer,
+        lr_scheduler=scheduler,
         config=deepspeed_config(cfg, world))
     return Wrapped(module, engine, optimizer, scheduler, engine, cfg.grad_accum, cfg.grad_clip)
 

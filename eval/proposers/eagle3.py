@@ -1,5 +1,6 @@
 """The EAGLE-3 proposer: step 0 reads the fused target features of accepted positions, deeper steps the head's own
-pre-norm outputs; chains and trees from the shared builder (eval/proposers/kit.py)."""
+outputs (pre-norm; post-norm for a head with norm_output, as `Eagle3Head.forward` hands them on); chains and trees from
+the shared builder (eval/proposers/kit.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from draftsmith.heads.kit import StaticKVCache
 
 class Eagle3Proposer(ModelProposer):
     """EAGLE-3: step 0 reads fused target features of accepted positions; deeper steps feed the
-    head's own pre-norm outputs. Entry j (position j) consumes (h_j, x_{j+1}) and predicts x_{j+2}.
+    head's own outputs (pre-norm, or post-norm with norm_output: the hidden `head.forward` returns). Entry j
+    (position j) consumes (h_j, x_{j+1}) and predicts x_{j+2}.
 
     Cache slots: entry j at slot j (j < n_entries, the committed step-0 entries); draft node i at
     slot n_entries + i."""
@@ -47,7 +49,7 @@ class Eagle3Proposer(ModelProposer):
         h, logits = self.head(ids, self.head.fuse(aux[None].to(self.device)), pos[None], mask, self.cache, pos)
         self.n_entries = start + T
         self._root_logits, self._root_h = logits[0, -1], h[0, -1]  # entry n-1: predicts x_{n+1}
-        self._h_nodes: dict[int, torch.Tensor] = {}  # tree node -> its pre-norm output
+        self._h_nodes: dict[int, torch.Tensor] = {}  # tree node -> the hidden it hands on (head.forward's)
 
     @torch.inference_mode()
     def _expand(self, nodes, tokens, parents, depth):
