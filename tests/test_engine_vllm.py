@@ -26,7 +26,6 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith import engine
 from draftsmith.configs import compose
-from draftsmith.data_gen.run import run as data_gen
 from draftsmith.eval import engine_vllm as ev_engine
 from draftsmith.eval import run as ev
 from draftsmith.export import run as export
@@ -39,7 +38,9 @@ K = 3
 MAX_TOKENS = 48
 N_PROMPTS = 6
 COMMON = ["target=smollm2", "target.dtype=float32"]
-TRAIN = ["deepspeed=none", "precision=bf16", "lr=1e-3", "wandb.mode=disabled", "progress=false",
+# precision=auto: bf16 where this CPU has fast bf16 matmul (AMX), fp32 elsewhere (on an AVX2-only CPU bf16 autocast
+# is ~90x slower and these trainings alone ran past 20 minutes)
+TRAIN = ["deepspeed=none", "precision=auto", "lr=1e-3", "wandb.mode=disabled", "progress=false",
          "save_every=100000"]
 # what each working export is compared with: its run in the engine -> the built-in decoder's method
 WORKING = {"eagle3": "eagle3", "speculators": "eagle3", "peagle": "peagle", "peagle_speculators": "peagle",
@@ -89,11 +90,10 @@ def broken_exports(x: dict[str, Path], root: Path) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def exports(engine_ready, tmp_path_factory, smollm2_target):
+def exports(engine_ready, engine_data, tmp_path_factory, smollm2_target):
     """data-gen -> a short training per method -> every export (+ broken copies); name -> folder."""
     root = tmp_path_factory.mktemp("engine")
-    data = root / "data"
-    data_gen(compose("data_gen", COMMON + ["prompts=self", "prompts.n=16", "max_new_tokens=64", f"out={data}"]))
+    data = engine_data  # conftest.py: made once per session, read only
     trained = {
         "eagle3": ["method=eagle3", "epochs=8", "method.ttt_steps=3", "method.draft_vocab_size=8192"],
         "peagle": ["method=peagle", "epochs=8", "method.num_layers=2", "method.depths=4",
@@ -145,7 +145,8 @@ def measured(exports, tmp_path_factory):
     runs += [engine_run(name, exports[name]) for name in BROKEN]
     runs.append(engine_run("peagle_without_parallel_drafting", exports["peagle"], parallel=False))
     job = ev_engine.engine_job(ev_engine.served_target(setup.target), [s.prompt_ids for s in samples["target_only"]],
-                               MAX_TOKENS, setup.target.eos_token_ids, runs)
+                               MAX_TOKENS, setup.target.eos_token_ids, runs,
+                               warmup=0)  # counters only: no untimed warm-up prompt
     result = engine.run_job(job, timeout_s=3600)
     return samples, result
 

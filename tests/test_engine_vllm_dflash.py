@@ -29,7 +29,6 @@ from test_engine_vllm import COMMON, N_PROMPTS, TRAIN, edited_copy
 
 from draftsmith import engine
 from draftsmith.configs import compose
-from draftsmith.data_gen.run import run as data_gen
 from draftsmith.eval import engine_vllm as ev_engine
 from draftsmith.eval import run as ev
 from draftsmith.export import run as export
@@ -53,13 +52,12 @@ REPORTED = ("dflash_causal",)
 
 
 @pytest.fixture(scope="module")
-def exports(engine_ready, tmp_path_factory, smollm2_target):
+def exports(engine_ready, engine_data, tmp_path_factory, smollm2_target):
     """data-gen -> a short DFlash training -> both exports (+ broken copies); name -> folder."""
     import json
 
     root = tmp_path_factory.mktemp("engine-dflash")
-    data = root / "data"
-    data_gen(compose("data_gen", COMMON + ["prompts=self", "prompts.n=16", "max_new_tokens=64", f"out={data}"]))
+    data = engine_data  # conftest.py: made once per session, read only
     train(compose("train", COMMON + TRAIN + ["method=dflash", "epochs=16", "method.num_layers=2",
                                              f"method.block_size={K + 1}", "method.draft_vocab_size=8192",
                                              f"data={data}", f"out={root / 'dflash'}"]))
@@ -138,7 +136,8 @@ def measured(exports, tmp_path_factory):
     runs = [{"name": ev_engine.TARGET_ONLY, "speculative_config": None}]
     runs += [engine_run(name, exports[name]) for name in WORKING + BROKEN + REPORTED]
     job = ev_engine.engine_job(ev_engine.served_target(setup.target), [s.prompt_ids for s in samples["target_only"]],
-                               MAX_TOKENS, setup.target.eos_token_ids, runs)
+                               MAX_TOKENS, setup.target.eos_token_ids, runs,
+                               warmup=0)  # counters only: no untimed warm-up prompt
     return samples, engine.run_job(job, timeout_s=3600)
 
 

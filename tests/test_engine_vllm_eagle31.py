@@ -25,7 +25,6 @@ from test_engine_vllm import COMMON, K, N_PROMPTS, TRAIN, edited_copy, engine_ru
 
 from draftsmith import engine
 from draftsmith.configs import compose
-from draftsmith.data_gen.run import run as data_gen
 from draftsmith.eval import engine_vllm as ev_engine
 from draftsmith.eval import run as ev
 from draftsmith.export import run as export
@@ -44,11 +43,10 @@ BROKEN = "eagle3_31_norm_output_dropped"
 
 
 @pytest.fixture(scope="module")
-def exports(engine_ready, tmp_path_factory):
+def exports(engine_ready, engine_data, tmp_path_factory):
     """data-gen -> a short EAGLE-3 training with the norms on -> its eagle3 export (+ the broken copy)."""
     root = tmp_path_factory.mktemp("engine-eagle31")
-    data = root / "data"
-    data_gen(compose("data_gen", COMMON + ["prompts=self", "prompts.n=16", "max_new_tokens=64", f"out={data}"]))
+    data = engine_data  # conftest.py: made once per session, read only
     train(compose("train", COMMON + TRAIN + ["method=eagle3", "epochs=8", "method.ttt_steps=3",
                                              "method.draft_vocab_size=8192", *NORMS, f"data={data}",
                                              f"out={root / 'eagle3'}"]))
@@ -78,7 +76,8 @@ def measured(exports, tmp_path_factory):
     runs = [{"name": ev_engine.TARGET_ONLY, "speculative_config": None}]
     runs += [engine_run(name, exports[name]) for name in (WORKING, BROKEN)]  # served as method eagle3
     job = ev_engine.engine_job(ev_engine.served_target(setup.target), [s.prompt_ids for s in samples["target_only"]],
-                               MAX_TOKENS, setup.target.eos_token_ids, runs)
+                               MAX_TOKENS, setup.target.eos_token_ids, runs,
+                               warmup=0)  # counters only: no untimed warm-up prompt
     return samples, engine.run_job(job, timeout_s=3600)
 
 

@@ -16,7 +16,7 @@ def test_short_training_learns(tmp_path):
     data_gen(compose("data_gen", ["target=smollm2", "prompts=self", "prompts.n=24", "max_new_tokens=96",
                                   "hidden_states=true", f"out={data}"]))
     result = train(compose("train", ["method=eagle3", "target=smollm2", f"data={data}", f"out={tmp_path / 'out'}",
-                                     "deepspeed=none", "precision=bf16", "epochs=3", "lr=1e-3", "method.ttt_steps=3",
+                                     "deepspeed=none", "precision=auto", "epochs=3", "lr=1e-3", "method.ttt_steps=3",
                                      "method.draft_vocab_size=8192", "val_samples=4", "wandb.mode=disabled",
                                      "progress=false", "save_every=1000"]))
     assert result["mode"] == "offline"
