@@ -2,16 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-# The engine tests' vLLM runs in one process (no EngineCore process beside the worker): on 2 cores that process's
-# busy loop and its start cost ~35 s per LLM (one LLM per run, ~30 runs in the suite; measured on a 2-core AMD EPYC,
-# 2026-12-02: a 2-run job 187 s -> 122 s). Counters, tokens and per-request acceptance were identical both ways; the
-# tests compare those, never vLLM's seconds. A user's `eval engine=vllm` keeps vLLM's default.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
-"""(slow) DFlash in the engine: vLLM for CPU loads draftsmith's DFlash exports (the `dflash` folder served with
-method dflash, and the speculators format served as the model), decodes the same prompts greedily in fp32, and
+"""(slow) DFlash in the engine: vLLM for CPU loads draftsmith's DFlash export (the `dflash` folder served with
+method dflash; the speculators format is exported, not decoded: see WORKING), decodes the same prompts greedily in fp32, and
 measures what the built-in decoder measures.
 
 Setup as tests/test_engine_vllm.py, for DFlash alone: data-gen on the embedded SmolLM2, a short DFlash training,
@@ -17,7 +17,7 @@ drafter logits 0.04-0.10 apart at every cycle because of it, 2e-5 with it emulat
 that defect, the built-in decoder is compared with the defect emulated (`context_keys_normed_by_layer_0`, here in the
 test, never in draftsmith), so the check still asks for step-identical verifications; the plain built-in decoder's
 agreement is printed beside it. Each
-broken copy (target layers shifted by one; a causal folder) must fail the τ check while staying lossless.
+broken copy (target layers shifted by one; the mask token wrong) must fail the τ check while staying lossless.
 """
 
 from __future__ import annotations
@@ -44,11 +44,14 @@ K = 3
 # moved the pooled τ by 0.024 over 48 tokens, above eval/engine_vllm.py's TOLERANCE, with every other
 # verification identical (NOTES-issue22.md); twice the tokens halves its weight
 MAX_TOKENS = 96
-WORKING = ("dflash", "dflash_speculators")
+# The speculators folder of the same head is exported but not decoded here: it gave exactly the plain folder's
+# counters in every measurement (NOTES-issue22.md: the same weights and config reach the same vLLM model), and vLLM's
+# own readers map it to this config in tests/test_heads_dflash.py; decoding it again cost ~2 min of CI on an AVX2 CPU
+WORKING = ("dflash",)
 BROKEN = ("dflash_target_layers_shifted", "dflash_mask_token_wrong")
-# run and reported, not asserted: with a head this weakly trained, the mask queries barely attend to one another, so
-# running them causally flipped no accept in the first measurement (NOTES-issue22.md)
-REPORTED = ("dflash_causal",)
+# A folder with dflash_config.causal = true is not run: with heads this small the mask queries barely attend to one
+# another, so running them causally flipped no accept (NOTES-issue22.md); the flag's reading is checked by vLLM's own
+# `_dflash_layer_causal` in tests/test_heads_dflash.py
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +76,6 @@ def exports(engine_ready, engine_data, tmp_path_factory, smollm2_target):
         "dflash_config": {**config["dflash_config"], "target_layer_ids": [i - 1 for i in shifted]}})
     x["dflash_mask_token_wrong"] = edited_copy(x["dflash"], root / "mask", {
         "dflash_config": {**config["dflash_config"], "mask_token_id": 0}})
-    x["dflash_causal"] = edited_copy(x["dflash"], root / "causal", {
-        "dflash_config": {**config["dflash_config"], "causal": True}})
     return {"data": data, **x}
 
 
@@ -134,7 +135,7 @@ def measured(exports, tmp_path_factory):
         emulated, _ = ev.decode_all(setup, {ev.TARGET_ONLY: None, "dflash": drafter.make()}, ev.Drafter("all", None))
     samples["dflash_cpu_kernel"] = emulated["dflash"]
     runs = [{"name": ev_engine.TARGET_ONLY, "speculative_config": None}]
-    runs += [engine_run(name, exports[name]) for name in WORKING + BROKEN + REPORTED]
+    runs += [engine_run(name, exports[name]) for name in WORKING + BROKEN]
     job = ev_engine.engine_job(ev_engine.served_target(setup.target), [s.prompt_ids for s in samples["target_only"]],
                                MAX_TOKENS, setup.target.eos_token_ids, runs,
                                warmup=0)  # counters only: no untimed warm-up prompt
@@ -167,14 +168,3 @@ def test_broken_dflash_export_fails_tau_equality(measured, name):
     print(name, agree)
     assert not agree["equal"], agree
     assert run["tokens"] == result["runs"][ev_engine.TARGET_ONLY]["tokens"]  # still lossless: only slower
-
-
-@pytest.mark.parametrize("name", REPORTED)
-def test_causal_copy_loads_and_stays_lossless(measured, name):
-    """vLLM runs a folder that asks for causal attention; its agreement with the (non-causal) built-in decoder is
-    printed for the notes, not asserted (see REPORTED)."""
-    samples, result = measured
-    run = result["runs"][name]
-    assert run["ok"], f"vLLM refused {name}: {run.get('error')}"
-    print(name, ev_engine.agreement(builtin_as_engine(samples, result), run, K))
-    assert run["tokens"] == result["runs"][ev_engine.TARGET_ONLY]["tokens"]
