@@ -36,7 +36,7 @@ from draftsmith.heads import dflash as dflash_head
 from draftsmith.methods import methods
 from draftsmith.train.run import run as train
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]
+pytestmark = [pytest.mark.slow, pytest.mark.engine_long, pytest.mark.timeout(5400)]
 
 K = 3
 # 96, not the other engine test's 48: a DFlash head this well trained accepts most drafts, so each prompt's last

@@ -30,7 +30,7 @@ from draftsmith.eval import run as ev
 from draftsmith.export import run as export
 from draftsmith.train.run import run as train
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]
+pytestmark = [pytest.mark.slow, pytest.mark.engine_long, pytest.mark.timeout(5400)]
 
 NORMS = ["method.norm_before_fc=true", "method.fc_norm=true", "method.norm_output=true"]
 # 96, not test_engine_vllm.py's 48 (as test_engine_vllm_dflash.py): this head accepts most drafts, so each prompt's
