@@ -333,8 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                                      lambda: evaluate(args, name, run["head"], engine))
     result = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "runs": runs,
               "seconds": round(time.perf_counter() - t0, 1), "machine": machine_info()}
-    print_table(result, args)
     atomic_write_json(args.out / "bench_vs_peers.json", result)
+    print_table(result, args)
     print(f"wrote {args.out / 'bench_vs_peers.json'}")
     return 0
 
@@ -342,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
 def print_table(result: dict, args) -> None:
     ours = result["runs"]["draftsmith"].get("tau", {})
     print(f"\nT = 0, chain, fp32; training budget {args.budget_s:.0f} s each; held-out: {args.holdout} self-written, "
-          f"{args.spec_bench_n} Spec-Bench; {result['machine'].get('cpu', {}).get('model', '?')}")
+          f"{args.spec_bench_n} Spec-Bench; {result['machine'].get('cpu', '?')} "
+          f"({result['machine'].get('cpu_vector', '?')})")
     print(f"{'head':<28} {'steps':>6} {'samples':>7} {'set':<10} {'K':>2} {'tau built-in':>12} {'tau vLLM':>9} "
           f"{'draftsmith / this (built-in)':>28} {'(vLLM)':>7}")
 
