@@ -185,7 +185,7 @@ def train_specforge(args, name: str = "specforge", samples: int | None = None) -
     `samples`, the equal-samples reading) and that stops it."""
     calib = done_or_run(args.out / "specforge" / "calibration_record", ["max_steps=8"],
                         lambda: specforge_run(args, args.out / "specforge" / "calibration", ["--max-steps", "8"], 8))
-    s_per_step = calib["train_wall_s"] / calib["steps"]
+    s_per_step = calib.get("s_per_step_after_2") or calib["train_wall_s"] / calib["steps"]
     if samples is None:
         steps, stop = max(1, int(args.budget_s / s_per_step)), ["--budget-s", str(args.budget_s)]
     else:

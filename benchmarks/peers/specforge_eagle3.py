@@ -176,7 +176,7 @@ def main(argv=None) -> int:
                         lr_scheduler="cosine")
     rng = random.Random(args.seed)
     order: list[int] = []
-    steps, losses, t0, stop = 0, [], time.perf_counter(), "max_steps"
+    steps, losses, step_ends, t0, stop = 0, [], [], time.perf_counter(), "max_steps"
     model.train()
     while True:
         if not order:
@@ -195,6 +195,7 @@ def main(argv=None) -> int:
         steps += 1
         losses.append(round(loss.item(), 4))
         elapsed = time.perf_counter() - t0
+        step_ends.append(elapsed)
         if args.budget_s is not None and elapsed >= args.budget_s:
             stop = "budget"
             break
@@ -207,7 +208,9 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     draft.save_pretrained(str(args.out))
     record = {"peer": "specforge 0.2.0", "steps": steps, "samples_seen": steps, "train_wall_s": round(wall, 1),
-              "stop_reason": stop, "s_per_step": round(wall / steps, 4), "lr": args.lr, "ttt": args.ttt,
+              "stop_reason": stop, "s_per_step": round(wall / steps, 4),
+              # the first two steps warm up (allocations, first-call costs): a schedule sized from them is short
+              "s_per_step_after_2": round((step_ends[-1] - step_ends[1]) / (steps - 2), 4) if steps > 2 else None, "lr": args.lr, "ttt": args.ttt,
               "total_steps": args.total_steps, "draft_vocab_size": draft.config.draft_vocab_size,
               "num_train_rows": num_train, "losses_first_last": [losses[:5], losses[-5:]], "head": str(args.out)}
     if args.json:
