@@ -66,7 +66,7 @@ def test_every_deepspeed_option_composes(zero):
     from draftsmith.train.trainer import TrainerConfig, deepspeed_config
 
     cfg = compose("train", ["target=tiny", "data=/x", f"deepspeed={zero}", "micro_batch_size=2", "grad_accum=3"])
-    assert cfg.deepspeed.config == zero and cfg.method.name == "eagle3" and cfg.method.ttt_steps == 7
+    assert cfg.deepspeed.config == zero and cfg.method.name == "eagle3" and cfg.method.ttt_steps == 3
     if zero != "none":
         ds = deepspeed_config(TrainerConfig.from_train(cfg), world=2)
         assert ds["zero_optimization"]["stage"] == int(zero[-1]) and ds["train_batch_size"] == 12
