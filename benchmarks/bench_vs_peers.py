@@ -23,7 +23,8 @@ the built-in decoder, and vLLM for CPU with `--engine vllm` (its τ is the one t
 set and K the τ (and the ratio draftsmith / peer), and writes `<out>/bench_vs_peers.json` with the machine.
 
 --equal-samples adds the second reading: draftsmith trained for each peer's samples seen, and each peer for
-draftsmith's (the wall-clock then differs; not run for a peer that saw within 10 % of draftsmith's samples). A peer whose run fails is said in the table; the others still run.
+draftsmith's (the wall-clock then differs; not run for a peer that saw within 10 % of draftsmith's samples).
+A peer whose run fails is said in the table; the others still run.
 
 Resumable: a stage whose `<folder>/done.json` holds the same overrides is not run again. Run it alone: two
 processes on these cores make torch's threads spin and the budgets stop being equal.

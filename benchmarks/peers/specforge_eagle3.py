@@ -23,8 +23,8 @@ What is SpecForge's and what is this script's:
                 training or --max-steps / --max-samples; the target logits as lm_head(last hidden state), the
                 lm_head being the target's (SmolLM2 ties it to the embeddings); the CPU shim below
 CPU shim: specforge.core.loss imports triton (a GPU kernel library, absent here) at module level; it is loaded
-from its source without those two lines (stand-ins for the names), and OnlineEagle3Model's loss points at SpecForge's own torch reference of the same
-loss (`_compute_loss`). TorchDynamo is off (nothing is compiled).
+from its source without those two lines (stand-ins for the names), and OnlineEagle3Model's loss points at
+SpecForge's own torch reference of the same loss (`_compute_loss`). TorchDynamo is off (nothing is compiled).
 
 Writes --out: SpecForge's `save_pretrained` of the draft (config.json LlamaForCausalLMEagle3 + model.safetensors:
 the EAGLE-3 folder vLLM and SGLang load), and a JSON record (--json): steps, samples, wall seconds, losses.
@@ -102,15 +102,14 @@ def read_rows(data: Path, num_train: int):
     return rows
 
 
-def target_tensors(target: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's embeddings and lm_head (the embeddings when tied)."""
+def target_lm_head(target: Path) -> torch.Tensor:
+    """The target's lm_head (its embeddings when tied), read from model.safetensors (SpecForge's own TargetHead
+    wants an index.json, which a single-file target has not)."""
     from safetensors import safe_open
 
     with safe_open(str(target / "model.safetensors"), framework="pt") as f:
-        names = set(f.keys())
-        embed = f.get_tensor("model.embed_tokens.weight")
-        head = f.get_tensor("lm_head.weight") if "lm_head.weight" in names else embed
-    return embed.float(), head.float()
+        name = "lm_head.weight" if "lm_head.weight" in set(f.keys()) else "model.embed_tokens.weight"
+        return f.get_tensor(name).float()
 
 
 def build_draft(target: Path, draft_vocab: int, token_counts: Counter):
@@ -130,12 +129,14 @@ def build_draft(target: Path, draft_vocab: int, token_counts: Counter):
     dcfg.draft_vocab_size = min(draft_vocab, tcfg.vocab_size)
     dcfg.target_hidden_size = tcfg.hidden_size
     draft = AutoDraftModel.from_config(dcfg, attention_backend="sdpa", torch_dtype=torch.float32)
+    # a copy: SpecForge's function adds the missing ids to the Counter it is given
     d2t, t2d = process_token_dict_to_mappings(Counter(token_counts), dcfg.draft_vocab_size, tcfg.vocab_size)
     draft.t2d.copy_(t2d)
     draft.d2t.copy_(d2t)
-    embed, head = target_tensors(target)
-    with torch.no_grad():
-        draft.embed_tokens.weight.copy_(embed)
+    # lm_head first: it reads model.safetensors and fails there when it is missing, before load_embedding, which
+    # would fall back to unpickling a pytorch_model.bin
+    head = target_lm_head(target)
+    draft.load_embedding(str(target), embedding_key="model.embed_tokens.weight")
     draft.freeze_embedding()
     return draft, head
 
