@@ -83,14 +83,55 @@ def test_auto_on_a_cpu_without_native_bf16(monkeypatch, caplog):
                                "native bf16 matmul"]
 
 
-@pytest.mark.parametrize("slowdown,expected,words", [(1.6, torch.float32, "1.6x slower"),
-                                                     (0.5, torch.bfloat16, "2.0x faster")])
-def test_auto_on_a_cpu_with_bf16_but_no_amx_is_measured(monkeypatch, slowdown, expected, words):
-    on_cpu(monkeypatch, ZEN4, slowdown)
-    dtype, why = machine.resolve_dtype("auto", "cpu")
-    assert dtype == expected
-    assert why == (f"this CPU (AMD EPYC 9654 96-Core Processor, AVX512_BF16) has bf16 matmul but no AMX; bf16 measured "
-                   f"{words} than fp32 here (256^3 matmul)")
+@pytest.mark.parametrize("slowdown", [1.6, 0.5, 0.26])
+def test_auto_on_a_cpu_with_avx512_bf16_but_no_amx_reads_capability_not_a_timing(monkeypatch, slowdown):
+    # Zen 4/5: AVX512_BF16 without AMX. The old rule timed a matmul and wrote "3.3x" / "3.9x faster" into two
+    # manifests of the same job; the rule reads capability only, so no probe runs (on_cpu's probe would report
+    # `slowdown`, and any figure gives the same decision and the same words)
+    on_cpu(monkeypatch, ZEN4)
+    monkeypatch.setattr(machine, "bf16_probe", lambda *a: pytest.fail(f"auto timed bf16 (slowdown {slowdown})"))
+    assert machine.resolve_dtype("auto", "cpu") == (
+        torch.bfloat16, "this CPU (AMD EPYC 9654 96-Core Processor, AVX512_BF16) has native bf16 matmul")
+
+
+def test_auto_on_avx512_without_avx512_bf16_is_fp32(monkeypatch):
+    skylake = CpuFeatures("Intel(R) Xeon(R) Gold 6148", ("avx2", "avx512f"), "AVX512", True)
+    on_cpu(monkeypatch, skylake)
+    assert machine.resolve_dtype("auto", "cpu") == (
+        torch.float32, "this CPU (Intel(R) Xeon(R) Gold 6148, AVX-512) has AVX-512 but no AVX512_BF16: oneDNN only "
+                       "emulates bf16 matmul")
+
+
+def test_two_auto_runs_on_a_bf16_cpu_without_amx_write_equal_manifests(monkeypatch):
+    """What data-gen writes of `auto` (target_dtype's dtype and why) is the same in two runs whatever a bf16
+    timing would have said: nothing timed identifies an output."""
+    from draftsmith.data_gen.target import TargetConfig, resolve_target_dtype
+
+    records = []
+    for fake_seconds in (1 / 3.3, 1 / 3.9):  # the two figures the old rule wrote on Zen 5
+        machine._decide.cache_clear()  # a new process: nothing decided yet
+        on_cpu(monkeypatch, ZEN4, fake_seconds)
+        cfg = TargetConfig(name="tiny", dtype="auto")
+        why = resolve_target_dtype(cfg)
+        records.append({"dtype": cfg.dtype, "why": why})
+    assert records[0] == records[1] and records[0]["dtype"] == "bfloat16"
+
+
+def test_the_ranks_of_one_job_agree_on_auto():
+    """Two processes of one job (as torchrun starts them) each decide `auto` on their own: with a rule of capability
+    alone their choice and reason are the same, even with the other rank busy (a timing would be skewed)."""
+    code = textwrap.dedent("""
+        import json, sys
+        from draftsmith import machine
+        dtype, why = machine.resolve_dtype("auto", "cpu")
+        print(json.dumps([machine.dtype_name(dtype), why]))
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "PYTHONWARNINGS": "ignore"})
+             for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
+    assert outs[0][0] == outs[1][0] and outs[0][0].strip()
 
 
 def test_a_onednn_isa_cap_below_avx512_means_no_native_bf16(monkeypatch):
