@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+import time
+
 import pytest
 import torch
 
@@ -62,3 +65,30 @@ def engine_data(engine_ready, tmp_path_factory):
     data_gen(compose("data_gen", ["target=smollm2", "target.dtype=float32", "prompts=self", "prompts.n=16",
                                   "max_new_tokens=64", f"out={data}"]))
     return data
+
+
+# --------------------------------------------------------------------------- where the suite's minutes go
+
+_module_seconds: dict[str, float] = collections.defaultdict(float)
+_session_start = time.perf_counter()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Wall time per test module, fixtures' setup and teardown included (a module-scoped setup that trains heads
+    counts toward its module), so the summary below adds up to the run."""
+    t0 = time.perf_counter()
+    yield
+    _module_seconds[item.nodeid.split("::")[0]] += time.perf_counter() - t0
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Per-module wall time, slowest first: CI's output says where the minutes go (beside --durations)."""
+    if not _module_seconds:
+        return
+    total = time.perf_counter() - _session_start
+    tr = terminalreporter
+    tr.section("wall time per test module (setup + call + teardown)")
+    for name, seconds in sorted(_module_seconds.items(), key=lambda kv: -kv[1]):
+        tr.write_line(f"{seconds:8.1f} s  {name}")
+    tr.write_line(f"{sum(_module_seconds.values()):8.1f} s  in tests, {total:.1f} s since the session started")

@@ -52,6 +52,7 @@ def test_ci_runs_the_readme_test_command_with_the_engine():
     runs = [ln for ln in command if "pytest -q" in ln]
     assert len(runs) == 1, command
     assert "scripts/setup.sh --engine" in runs[0] and f"{engine.REQUIRE_ENV}=1" in runs[0]
+    assert "--durations=" in runs[0]  # CI's output names the slowest tests (conftest.py adds a per-module table)
     assert runs[0].strip() in (ROOT / "README.md").read_text()
     assert ".venv-vllm/" in (ROOT / ".gitignore").read_text()
 
