@@ -101,9 +101,11 @@ def engine_env() -> dict[str, str]:
     return env
 
 
-def run_job(job: dict, timeout_s: float = 3600, log_path: Optional[Path] = None, worker: Path = WORKER) -> dict:
+def run_job(job: dict, timeout_s: float = 3600, log_path: Optional[Path] = None, worker: Path = WORKER,
+            env: Optional[dict[str, str]] = None) -> dict:
     """Run `job` in the engine's python with `worker` (vllm_worker.py, or data-gen's vllm_generate.py: the job in
-    its format); the worker's result, with `log` = the log file."""
+    its format); the worker's result, with `log` = the log file. `env`: variables set for the engine on top of
+    this process's (e.g. VLLM_ENABLE_V1_MULTIPROCESSING=0, vLLM's engine core in the worker's own process)."""
     missing = engine_missing()
     if missing:
         raise DraftsmithError(f"engine=vllm: {missing}.")
@@ -114,7 +116,7 @@ def run_job(job: dict, timeout_s: float = 3600, log_path: Optional[Path] = None,
         command = [str(engine_python()), str(worker), str(job_file), str(result_file)]
         with open(log, "w") as out:
             # its own process group: vLLM's engine-core and worker processes go with it on a timeout or Ctrl-C
-            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=engine_env(),
+            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**engine_env(), **(env or {})},
                                     start_new_session=True)
             try:
                 rc = proc.wait(timeout=timeout_s)
