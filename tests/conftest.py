@@ -9,6 +9,7 @@ import pytest
 import torch
 
 
+
 @pytest.fixture(scope="session")
 def tiny_target():
     from draftsmith.data_gen.target import TargetConfig, load_target
@@ -40,6 +41,14 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+def pytest_collection_modifyitems(items):
+    """Every test that needs the engine (the engine_ready fixture, directly or through another fixture) is marked
+    `engine`: `pytest -m "not slow and not engine"` is the fast tier, whatever a module remembered to mark."""
+    for item in items:
+        if "engine_ready" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.engine)
+
+
 @pytest.fixture(scope="session")
 def engine_ready():
     """The engine's python (vLLM for CPU in .venv-vllm), or a skip that says how to install it; where
@@ -56,15 +65,48 @@ def engine_ready():
 
 @pytest.fixture(scope="session")
 def engine_data(engine_ready, tmp_path_factory):
-    """The engine tests' one data-gen output (16 self-written prompts of the embedded SmolLM2, fp32, 64 tokens):
-    every engine module trains its heads on it and decodes its prompts, so it is made once per session. Read only."""
+    """The engine tests' one data-gen output (16 self-written prompts of the embedded SmolLM2, fp32, 64 tokens) with
+    the target's hidden states (EAGLE-3, P-EAGLE and DFlash train offline from them) and its top-k log-probs (the
+    draft model's offline signal): every engine module trains its heads on it and decodes its prompts, so it is
+    made once per session. Read only."""
     from draftsmith.configs import compose
     from draftsmith.data_gen.run import run as data_gen
 
     data = tmp_path_factory.mktemp("engine-data") / "data"
     data_gen(compose("data_gen", ["target=smollm2", "target.dtype=float32", "prompts=self", "prompts.n=16",
-                                  "max_new_tokens=64", f"out={data}"]))
+                                  "max_new_tokens=64", "hidden_states=true", "topk_logits=true", f"out={data}"]))
     return data
+
+
+# What the engine modules train on engine_data, by name: each head is trained once per session, offline (from the
+# hidden-state shards or the top-k cache: the frozen target never runs in the training loop), at precision=auto
+# (bf16 where this CPU has fast bf16 matmul, fp32 elsewhere: on an AVX2-only CPU bf16 autocast is ~90x slower).
+ENGINE_TRAIN = ["target=smollm2", "target.dtype=float32", "mode=offline", "deepspeed=none", "precision=auto",
+                "lr=1e-3", "wandb.mode=disabled", "progress=false", "save_every=100000"]
+ENGINE_HEADS = {
+    "eagle3": ["method=eagle3", "epochs=8", "method.ttt_steps=3", "method.draft_vocab_size=8192"],
+    "peagle": ["method=peagle", "epochs=8", "method.num_layers=2", "method.depths=4", "method.draft_vocab_size=8192"],
+    "draft": ["method=draft", "epochs=4", "lr=3e-4", "method.num_layers=4"],
+}
+
+
+@pytest.fixture(scope="session")
+def engine_head(engine_data, tmp_path_factory):
+    """engine_head(name) -> the `final/` folder of ENGINE_HEADS[name] trained on engine_data: trained on first use,
+    then shared by every engine module of the session. Read only."""
+    from draftsmith.configs import compose
+    from draftsmith.train.run import run as train
+
+    root = tmp_path_factory.mktemp("engine-heads")
+    done: dict[str, object] = {}
+
+    def head(name: str):
+        if name not in done:
+            train(compose("train", ENGINE_TRAIN + ENGINE_HEADS[name] + [f"data={engine_data}", f"out={root / name}"]))
+            done[name] = root / name / "final"
+        return done[name]
+
+    return head
 
 
 # --------------------------------------------------------------------------- where the suite's minutes go

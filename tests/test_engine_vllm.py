@@ -29,17 +29,16 @@ from draftsmith.configs import compose
 from draftsmith.eval import engine_vllm as ev_engine
 from draftsmith.eval import run as ev
 from draftsmith.export import run as export
-from draftsmith.train.run import run as train
 from test_eval_cost import engines_of
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]
+pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(5400)]
 
 K = 3
 MAX_TOKENS = 48
 N_PROMPTS = 6
 COMMON = ["target=smollm2", "target.dtype=float32"]
-# precision=auto: bf16 where this CPU has fast bf16 matmul (AMX), fp32 elsewhere (on an AVX2-only CPU bf16 autocast
-# is ~90x slower and these trainings alone ran past 20 minutes)
+# the online training options of the engine_long modules (test_engine_vllm_dflash.py, _eagle31.py); this module's
+# heads come from conftest.py's engine_head (offline, once per session)
 TRAIN = ["deepspeed=none", "precision=auto", "lr=1e-3", "wandb.mode=disabled", "progress=false",
          "save_every=100000"]
 # what each working export is compared with: its run in the engine -> the built-in decoder's method
@@ -90,26 +89,17 @@ def broken_exports(x: dict[str, Path], root: Path) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def exports(engine_ready, engine_data, tmp_path_factory, smollm2_target):
-    """data-gen -> a short training per method -> every export (+ broken copies); name -> folder."""
+def exports(engine_data, engine_head, tmp_path_factory, smollm2_target):
+    """Every export of the session's heads (conftest.py: trained once, offline) + broken copies; name -> folder."""
     root = tmp_path_factory.mktemp("engine")
-    data = engine_data  # conftest.py: made once per session, read only
-    trained = {
-        "eagle3": ["method=eagle3", "epochs=8", "method.ttt_steps=3", "method.draft_vocab_size=8192"],
-        "peagle": ["method=peagle", "epochs=8", "method.num_layers=2", "method.depths=4",
-                   "method.draft_vocab_size=8192"],
-        "draft": ["method=draft", "epochs=4", "lr=3e-4", "method.num_layers=4"],
-    }
-    for name, options in trained.items():
-        train(compose("train", COMMON + TRAIN + options + [f"data={data}", f"out={root / name}"]))
     verifier = ev_engine.served_target(smollm2_target)  # a loadable verifier: vLLM serves the speculators folder
     x = {}
     for name, head, fmt in [("eagle3", "eagle3", "eagle3"), ("speculators", "eagle3", "speculators"),
                             ("peagle", "peagle", "peagle"), ("peagle_speculators", "peagle", "speculators"),
                             ("draft", "draft", "hf")]:
-        x[name] = export(compose("export", [f"head={root / head / 'final'}", f"format={fmt}",
+        x[name] = export(compose("export", [f"head={engine_head(head)}", f"format={fmt}",
                                             f"out={root / ('x-' + name)}", f"verifier={verifier}"]))
-    return {"data": data, **x, **broken_exports(x, root / "broken")}
+    return {"data": engine_data, **x, **broken_exports(x, root / "broken")}
 
 
 # --------------------------------------------------------------------------- measured once, in both
