@@ -9,7 +9,6 @@ import pytest
 import torch
 
 
-
 @pytest.fixture(scope="session")
 def tiny_target():
     from draftsmith.data_gen.target import TargetConfig, load_target

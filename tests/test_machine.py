@@ -83,13 +83,11 @@ def test_auto_on_a_cpu_without_native_bf16(monkeypatch, caplog):
                                "native bf16 matmul"]
 
 
-@pytest.mark.parametrize("slowdown", [1.6, 0.5, 0.26])
-def test_auto_on_a_cpu_with_avx512_bf16_but_no_amx_reads_capability_not_a_timing(monkeypatch, slowdown):
+def test_auto_on_a_cpu_with_avx512_bf16_but_no_amx_reads_capability_not_a_timing(monkeypatch):
     # Zen 4/5: AVX512_BF16 without AMX. The old rule timed a matmul and wrote "3.3x" / "3.9x faster" into two
-    # manifests of the same job; the rule reads capability only, so no probe runs (on_cpu's probe would report
-    # `slowdown`, and any figure gives the same decision and the same words)
+    # manifests of the same job; the rule reads capability only, so the probe must not run at all
     on_cpu(monkeypatch, ZEN4)
-    monkeypatch.setattr(machine, "bf16_probe", lambda *a: pytest.fail(f"auto timed bf16 (slowdown {slowdown})"))
+    monkeypatch.setattr(machine, "bf16_probe", lambda *a: pytest.fail("dtype auto timed bf16"))
     assert machine.resolve_dtype("auto", "cpu") == (
         torch.bfloat16, "this CPU (AMD EPYC 9654 96-Core Processor, AVX512_BF16) has native bf16 matmul")
 
