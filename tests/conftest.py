@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 import collections
+import os
 import time
 
 import pytest
 import torch
+
+# The engine tests read vLLM's counters, never its speed: its engine core runs in the worker's own process instead of
+# one spawned per LLM (~5 s a start instead of ~36 s on 2 cores). Measured equal, tokens, counters and per-request
+# detail of all 13 runs of test_engine_vllm.py's job: docs/results/vllm-inprocess-vs-multiprocess-2026-12-03.txt.
+# `draftsmith eval engine=vllm` keeps vLLM's default for users: its tokens/s are the serving figures.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+# Under pytest-xdist (the README's `-n auto`) each worker gets its share of the cores and its children (torchrun
+# ranks, the vLLM engine) inherit it: two workers each running 2 OpenMP threads on 2 cores spin against each other,
+# and small-op decoding collapses 10-50x.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
 
 
 @pytest.fixture(scope="session")
@@ -40,12 +55,20 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(items):
     """Every test that needs the engine (the engine_ready fixture, directly or through another fixture) is marked
-    `engine`: `pytest -m "not slow and not engine"` is the fast tier, whatever a module remembered to mark."""
+    `engine`: `pytest -m "not slow and not engine"` is the fast tier, whatever a module remembered to mark.
+
+    Under `--dist loadgroup` a module's tests stay on one worker (its module-scoped setup, a training say, runs
+    once), and every engine test goes to one worker: the session's engine data and heads are made once, and two
+    vLLM engines never share the cores."""
     for item in items:
         if "engine_ready" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.engine)
+            item.add_marker(pytest.mark.xdist_group("engine"))
+        else:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))  # test ids end in @<group>
 
 
 @pytest.fixture(scope="session")
@@ -86,6 +109,12 @@ ENGINE_HEADS = {
     "eagle3": ["method=eagle3", "epochs=8", "method.ttt_steps=3", "method.draft_vocab_size=8192"],
     "peagle": ["method=peagle", "epochs=8", "method.num_layers=2", "method.depths=4", "method.draft_vocab_size=8192"],
     "draft": ["method=draft", "epochs=4", "lr=3e-4", "method.num_layers=4"],
+    # block_size = K + 1 of test_engine_vllm_dflash.py
+    "dflash": ["method=dflash", "epochs=16", "method.num_layers=2", "method.block_size=4",
+               "method.draft_vocab_size=8192"],
+    # EAGLE-3.1: all three norms on (test_engine_vllm_eagle31.py)
+    "eagle3_31": ["method=eagle3", "epochs=8", "method.ttt_steps=3", "method.draft_vocab_size=8192",
+                  "method.norm_before_fc=true", "method.fc_norm=true", "method.norm_output=true"],
 }
 
 
@@ -114,13 +143,10 @@ _module_seconds: dict[str, float] = collections.defaultdict(float)
 _session_start = time.perf_counter()
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
+def pytest_runtest_logreport(report):
     """Wall time per test module, fixtures' setup and teardown included (a module-scoped setup that trains heads
-    counts toward its module), so the summary below adds up to the run."""
-    t0 = time.perf_counter()
-    yield
-    _module_seconds[item.nodeid.split("::")[0]] += time.perf_counter() - t0
+    counts toward its module's first test). Reports reach the controlling process under pytest-xdist too."""
+    _module_seconds[report.nodeid.split("::")[0]] += report.duration
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -128,8 +154,11 @@ def pytest_terminal_summary(terminalreporter):
     if not _module_seconds:
         return
     total = time.perf_counter() - _session_start
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT") or getattr(terminalreporter.config.option, "numprocesses",
+                                                                     None)
     tr = terminalreporter
     tr.section("wall time per test module (setup + call + teardown)")
     for name, seconds in sorted(_module_seconds.items(), key=lambda kv: -kv[1]):
         tr.write_line(f"{seconds:8.1f} s  {name}")
-    tr.write_line(f"{sum(_module_seconds.values()):8.1f} s  in tests, {total:.1f} s since the session started")
+    tr.write_line(f"{sum(_module_seconds.values()):8.1f} s  in tests (summed over {workers or 1} worker(s)), "
+                  f"{total:.1f} s since the session started")

@@ -40,9 +40,10 @@ def test_torchrun_two_ranks_capture_their_shards_and_equal_one_process(compose_c
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DRAFTSMITH_RANK_WAIT_S="120")
 
     def torchrun():
-        result = subprocess.run([str(TORCHRUN), "--nproc_per_node", "2", "--master_port",
-                                 str(29700 + os.getpid() % 1000), "-m", "draftsmith.cli", "data-gen",
-                                 *argv(questions, multi)], env=env, capture_output=True, text=True, timeout=600)
+        # --standalone: torchrun picks a free port (another pytest-xdist worker may be running torchrun too)
+        result = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "draftsmith.cli",
+                                 "data-gen", *argv(questions, multi)], env=env, capture_output=True, text=True,
+                                timeout=600)
         assert result.returncode == 0, result.stderr[-4000:]
         return result
 

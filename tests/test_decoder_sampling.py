@@ -109,6 +109,7 @@ def _proposer(kind, target):
     return DraftModelProposer(_llama(1, 60), V, 32)
 
 
+@pytest.mark.slow  # 2500 seeded generations each
 @pytest.mark.parametrize("case", list(CASES))
 def test_sampling_matches_target_distribution(setup, case):
     target, runner = setup
@@ -121,6 +122,7 @@ def test_sampling_matches_target_distribution(setup, case):
     assert pval > 1e-3, (case, stat, df, tv)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["draft_model-chain-T1", "eagle3-tree-T1"])
 def test_negative_control_resampling_from_p_fails(setup, case, monkeypatch):
     """A wrong sampler (on rejection, resample from p instead of the residual) must fail the same test."""
@@ -134,6 +136,7 @@ def test_negative_control_resampling_from_p_fails(setup, case, monkeypatch):
     assert pval < 1e-4  # the correct sampler passes p > 1e-3 on the same seed
 
 
+@pytest.mark.slow
 def test_target_only_sampling_matches(setup):
     target, runner = setup
     sampling = SamplingConfig(temperature=1.0)

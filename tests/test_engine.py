@@ -53,8 +53,26 @@ def test_ci_runs_the_readme_test_command_with_the_engine():
     assert len(runs) == 1, command
     assert "scripts/setup.sh --engine" in runs[0] and f"{engine.REQUIRE_ENV}=1" in runs[0]
     assert "--durations=" in runs[0]  # CI's output names the slowest tests (conftest.py adds a per-module table)
+    assert " -n auto" in runs[0]  # pytest-xdist: one worker per core (conftest.py groups and threads them)
     assert runs[0].strip() in (ROOT / "README.md").read_text()
     assert ".venv-vllm/" in (ROOT / ".gitignore").read_text()
+
+
+def test_xdist_keeps_each_module_on_one_worker():
+    """conftest.py's xdist groups hold: a module's tests run on one worker (so do the engine tests, by the same
+    mark). pytest 9.2 made pytest-xdist 3.8's --dist loadgroup a silent no-op: the engine modules then ran on both
+    workers at once, each training the session's heads."""
+    result = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-v", "-p", "no:cacheprovider",
+                             "tests/test_progress.py", "tests/test_methods.py"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    workers: dict[str, set[str]] = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("[gw") and "PASSED" in line:
+            worker, nodeid = line.split()[0], line.split()[-1]
+            workers.setdefault(nodeid.split("::")[0], set()).add(worker)
+    assert set(workers) == {"tests/test_progress.py", "tests/test_methods.py"}, result.stdout[-3000:]
+    assert all(len(w) == 1 for w in workers.values()), workers
 
 
 def test_setup_refuses_an_unknown_flag():

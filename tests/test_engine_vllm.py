@@ -37,10 +37,6 @@ K = 3
 MAX_TOKENS = 48
 N_PROMPTS = 6
 COMMON = ["target=smollm2", "target.dtype=float32"]
-# the online training options of the engine_long modules (test_engine_vllm_dflash.py, _eagle31.py); this module's
-# heads come from conftest.py's engine_head (offline, once per session)
-TRAIN = ["deepspeed=none", "precision=auto", "lr=1e-3", "wandb.mode=disabled", "progress=false",
-         "save_every=100000"]
 # what each working export is compared with: its run in the engine -> the built-in decoder's method
 WORKING = {"eagle3": "eagle3", "speculators": "eagle3", "peagle": "peagle", "peagle_speculators": "peagle",
            "draft": "draft", "ngram": "ngram"}

@@ -2,7 +2,7 @@
 method dflash; the speculators format is exported, not decoded: see WORKING), decodes the same prompts greedily in fp32, and
 measures what the built-in decoder measures.
 
-Setup as tests/test_engine_vllm.py, for DFlash alone: data-gen on the embedded SmolLM2, a short DFlash training,
+Setup as tests/test_engine_vllm.py, for DFlash alone: the session's data-gen and DFlash head (conftest.py),
 both exports and deliberately broken copies, the built-in decoder on 6 of the training prompts, then ONE vLLM
 worker process that builds one `LLM` per run. Without the engine venv these tests skip with "vLLM not installed
 (...)", and fail where DRAFTSMITH_REQUIRE_ENGINE=1.
@@ -25,7 +25,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import pytest
-from test_engine_vllm import COMMON, N_PROMPTS, TRAIN, edited_copy
+from test_engine_vllm import COMMON, N_PROMPTS, edited_copy
 
 from draftsmith import engine
 from draftsmith.configs import compose
@@ -34,9 +34,8 @@ from draftsmith.eval import run as ev
 from draftsmith.export import run as export
 from draftsmith.heads import dflash as dflash_head
 from draftsmith.methods import methods
-from draftsmith.train.run import run as train
 
-pytestmark = [pytest.mark.slow, pytest.mark.engine_long, pytest.mark.timeout(5400)]
+pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(5400)]
 
 K = 3
 # 96, not the other engine test's 48: a DFlash head this well trained accepts most drafts, so each prompt's last
@@ -55,17 +54,15 @@ BROKEN = ("dflash_target_layers_shifted", "dflash_mask_token_wrong")
 
 
 @pytest.fixture(scope="module")
-def exports(engine_ready, engine_data, tmp_path_factory, smollm2_target):
-    """data-gen -> a short DFlash training -> both exports (+ broken copies); name -> folder."""
+def exports(engine_data, engine_head, tmp_path_factory, smollm2_target):
+    """The session's DFlash head (conftest.py: trained once, offline, block_size K + 1) -> both exports (+ broken
+    copies); name -> folder."""
     import json
 
     root = tmp_path_factory.mktemp("engine-dflash")
     data = engine_data  # conftest.py: made once per session, read only
-    train(compose("train", COMMON + TRAIN + ["method=dflash", "epochs=16", "method.num_layers=2",
-                                             f"method.block_size={K + 1}", "method.draft_vocab_size=8192",
-                                             f"data={data}", f"out={root / 'dflash'}"]))
     verifier = ev_engine.served_target(smollm2_target)
-    head = root / "dflash" / "final"
+    head = engine_head("dflash")
     x = {"dflash": export(compose("export", [f"head={head}", "format=dflash", f"out={root / 'x-dflash'}"])),
          "dflash_speculators": export(compose("export", [f"head={head}", "format=speculators", f"verifier={verifier}",
                                                          f"num_speculative_tokens={K}", f"out={root / 'x-spec'}"]))}

@@ -2,8 +2,8 @@
 norms on (norm_before_fc, fc_norm, norm_output), decodes the same prompts greedily in fp32, and measures what the
 built-in decoder measures.
 
-Setup as tests/test_engine_vllm.py, for this head alone: data-gen on the embedded SmolLM2, a short EAGLE-3 training
-with the norms on, its `eagle3` export (config.json norm_before_fc / fc_norm / norm_output true, tensors
+Setup as tests/test_engine_vllm.py, for this head alone: the session's data-gen and EAGLE-3 head trained with the
+norms on (conftest.py), its `eagle3` export (config.json norm_before_fc / fc_norm / norm_output true, tensors
 input_norm.weight and fc_norm.{0,1,2}.weight) and a broken copy, the built-in decoder on 6 of the training prompts,
 then ONE vLLM worker process that builds one `LLM` per run. Without the engine venv these tests skip with "vLLM not
 installed (...)", and fail where DRAFTSMITH_REQUIRE_ENGINE=1.
@@ -21,18 +21,16 @@ import json
 
 import pytest
 from safetensors import safe_open
-from test_engine_vllm import COMMON, K, N_PROMPTS, TRAIN, edited_copy, engine_run
+from test_engine_vllm import COMMON, K, N_PROMPTS, edited_copy, engine_run
 
 from draftsmith import engine
 from draftsmith.configs import compose
 from draftsmith.eval import engine_vllm as ev_engine
 from draftsmith.eval import run as ev
 from draftsmith.export import run as export
-from draftsmith.train.run import run as train
 
-pytestmark = [pytest.mark.slow, pytest.mark.engine_long, pytest.mark.timeout(5400)]
+pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(5400)]
 
-NORMS = ["method.norm_before_fc=true", "method.fc_norm=true", "method.norm_output=true"]
 # 96, not test_engine_vllm.py's 48 (as test_engine_vllm_dflash.py): this head accepts most drafts, so each prompt's
 # last verification (vLLM drafts K and drops what is past max_tokens; the built-in decoder shortens the draft) moved
 # the pooled τ by 0.026 over 48 tokens (2.822 vs 2.796, 101 vs 98 drafts), above eval/engine_vllm.py's TOLERANCE,
@@ -43,14 +41,12 @@ BROKEN = "eagle3_31_norm_output_dropped"
 
 
 @pytest.fixture(scope="module")
-def exports(engine_ready, engine_data, tmp_path_factory):
-    """data-gen -> a short EAGLE-3 training with the norms on -> its eagle3 export (+ the broken copy)."""
+def exports(engine_data, engine_head, tmp_path_factory):
+    """The session's EAGLE-3 head with the norms on (conftest.py: trained once, offline) -> its eagle3 export (+ the
+    broken copy)."""
     root = tmp_path_factory.mktemp("engine-eagle31")
     data = engine_data  # conftest.py: made once per session, read only
-    train(compose("train", COMMON + TRAIN + ["method=eagle3", "epochs=8", "method.ttt_steps=3",
-                                             "method.draft_vocab_size=8192", *NORMS, f"data={data}",
-                                             f"out={root / 'eagle3'}"]))
-    x = export(compose("export", [f"head={root / 'eagle3' / 'final'}", "format=eagle3", f"out={root / 'x'}"]))
+    x = export(compose("export", [f"head={engine_head('eagle3_31')}", "format=eagle3", f"out={root / 'x'}"]))
     return {"data": data, WORKING: x, BROKEN: edited_copy(x, root / "broken", drop=("norm_output",))}
 
 
