@@ -58,6 +58,7 @@ def test_ci_runs_the_readme_test_command_with_the_engine():
     assert ".venv-vllm/" in (ROOT / ".gitignore").read_text()
 
 
+@pytest.mark.slow  # a pytest run of its own, two workers
 def test_xdist_keeps_each_module_on_one_worker():
     """conftest.py's xdist groups hold: a module's tests run on one worker (so do the engine tests, by the same
     mark). pytest 9.2 made pytest-xdist 3.8's --dist loadgroup a silent no-op: the engine modules then ran on both

@@ -339,6 +339,7 @@ def test_train_resolves_every_auto_in_place(monkeypatch):
         "this CPU (AMD EPYC 7B13 64-Core Processor, AVX2) has no native bf16 matmul"
 
 
+@pytest.mark.slow  # a training in a fresh process
 def test_single_process_default_training_never_imports_deepspeed(tmp_path):
     """deepspeed=auto in one process is plain torch: DeepSpeed is not even imported (its CPU ops JIT-build with g++)."""
     from draftsmith.data_gen.target import TargetConfig, load_target

@@ -64,6 +64,7 @@ def test_data_gen_config_composes_with_the_issue_example():
     assert cfg.out == "runs/smol"
 
 
+@pytest.mark.slow  # builds the wheel and installs it in a fresh venv
 def test_built_wheel_works_without_the_source_tree(tmp_path):
     """Build the wheel, install it into a folder and import from there, away from the repo."""
     wheel_dir, site = tmp_path / "wheel", tmp_path / "site"

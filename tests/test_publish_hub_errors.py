@@ -182,6 +182,7 @@ def test_offline_is_refused_before_any_work(head, tmp_path):
     assert not (tmp_path / "hub").exists()
 
 
+@pytest.mark.slow  # a fresh process waiting out a hanging server
 def test_a_hanging_hub_through_hf_endpoint_in_a_fresh_process(head, tmp_path):
     fake = FakeHub("hang")
     try:

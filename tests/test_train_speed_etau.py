@@ -90,6 +90,7 @@ def _measured_tau(head, target, prompts, sampling: SamplingConfig) -> float:
     return emitted / verifications
 
 
+@pytest.mark.slow  # seeded decodes against the estimate
 @pytest.mark.parametrize("mode", ["greedy", "sample"])
 def test_etau_estimate_matches_decoder_tau(mode):
     target = _target()
