@@ -108,6 +108,17 @@ def test_rates_from_a_calibration_run(tmp_path):
     assert r.eval_fixed_s == pytest.approx(20.0 - 0.25 * 32)
 
 
+def test_a_load_timed_longer_than_data_gen_keeps_a_positive_rate(tmp_path):
+    """The load is timed apart from the stage: where it took longer than a tiny data-gen (a busy machine), the
+    whole stage counts as samples instead of a rate of 0 (seen in CI under pytest-xdist)."""
+    (tmp_path / "head").mkdir()
+    (tmp_path / "head" / "metrics.jsonl").write_text(json.dumps({"step": 1, "step_s": 0.5}) + "\n")
+    report = {"target_only_tokens_per_s": 10.0, "speculative_tokens_per_s": 20.0}
+    calib = {"seconds": {"data_gen": 3.3, "train": 10.0, "eval": 20.0}, "report": report}
+    cs = {"n_prompts": 32, "eval_prompts": 1, "eval_max_new_tokens": 32, "repeats": 1}
+    assert measured_rates(calib, tmp_path, cs, load_s=4.0).data_gen_s_per_sample == pytest.approx(3.3 / 33)
+
+
 @pytest.mark.timeout(300)
 def test_budgeted_tiny_demo_calibrates_plans_and_reuses_its_plan(tmp_path, monkeypatch):
     monkeypatch.setitem(FLAVOURS, "tiny", dict(FLAVOURS["tiny"], budget=True))
