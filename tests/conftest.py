@@ -154,8 +154,7 @@ def pytest_terminal_summary(terminalreporter):
     if not _module_seconds:
         return
     total = time.perf_counter() - _session_start
-    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT") or getattr(terminalreporter.config.option, "numprocesses",
-                                                                     None)
+    workers = getattr(terminalreporter.config.option, "numprocesses", None)  # pytest-xdist's -n, in this process
     tr = terminalreporter
     tr.section("wall time per test module (setup + call + teardown)")
     for name, seconds in sorted(_module_seconds.items(), key=lambda kv: -kv[1]):
