@@ -13,7 +13,10 @@ from draftsmith.eval.proposers.ngram import NGRAM_MATCHES
 from draftsmith.sampling import SamplingConfig
 
 BASELINES = ("ngram", "hf_generate", "hf_assisted")
-ENGINES = ("builtin", "vllm")  # where the figures are measured (eval/engine_vllm.py: vLLM beside the built-in decoder)
+# where the figures are measured: the built-in decoder, and beside it vLLM (eval/engine_vllm.py) or llama.cpp
+# (eval/engine_llamacpp.py)
+ENGINES = ("builtin", "vllm", "llamacpp")
+LLAMACPP_TARGETS = ("same", "f32", "bf16")  # engine=llamacpp: the target's own GGUF, or its weights converted
 
 
 @dataclass
@@ -86,7 +89,10 @@ class EvalConfig:
     plot: bool = True  # write the acceptance / speedup plot
     # builtin: draftsmith's decoder only; vllm: also decode the same prompts in vLLM (its venv: bash scripts/setup.sh
     # --engine) and report its tau, acceptance, tokens/s, speedup and best K beside the built-in decoder's
-    engine: str = "builtin"  # builtin | vllm (the same prompts measured inside vLLM too, greedy, chain drafting)
+    engine: str = "builtin"  # builtin | vllm | llamacpp (the same prompts measured in that engine too, greedy, chains)
+    # engine=llamacpp: the target llama-server loads. same: its own GGUF (e.g. the embedded Q4_1 file; llama.cpp
+    # computes with the quantised blocks); f32 | bf16: the weights draftsmith computes with, converted
+    llamacpp_target: str = "same"
 
     def __post_init__(self):
         if not self.head:
@@ -98,6 +104,7 @@ class EvalConfig:
         checks.at_least("cost_repeats", self.cost_repeats, 1)
         checks.at_least("near_tie_eps", self.near_tie_eps, 0)
         checks.one_of("engine", self.engine, ENGINES)
+        checks.one_of("llamacpp_target", self.llamacpp_target, LLAMACPP_TARGETS)
         checks.one_of("ngram_match", self.ngram_match, NGRAM_MATCHES)
         check_engine_options(self)
         if self.ngram_first and self.head in ("ngram", "none"):
@@ -121,17 +128,18 @@ def check_options(cfg) -> None:
 
 
 def check_engine_options(cfg) -> None:
-    """engine=vllm measures greedy chain drafting with a fixed K (eval/engine_vllm.py); one sentence otherwise."""
-    if getattr(cfg, "engine", "builtin") != "vllm":
+    """engine=vllm and engine=llamacpp measure greedy chain drafting with a fixed K; one sentence otherwise."""
+    engine = getattr(cfg, "engine", "builtin")
+    if engine == "builtin":
         return
     if cfg.temperature != 0:
-        raise DraftsmithError(f"engine=vllm measures greedy decoding: set temperature=0 (not {cfg.temperature}).")
+        raise DraftsmithError(f"engine={engine} measures greedy decoding: set temperature=0 (not {cfg.temperature}).")
     if cfg.drafting.mode != "chain":
-        raise DraftsmithError("engine=vllm drafts chains (vLLM's EAGLE and draft-model drafting): set "
+        raise DraftsmithError(f"engine={engine} drafts chains (the engines' EAGLE and draft-model drafting): set "
                               "drafting.mode=chain.")
     if cfg.drafting.stop_below:
-        raise DraftsmithError("engine=vllm drafts a fixed K: set drafting.stop_below=0.")
-    if cfg.ngram_first:
+        raise DraftsmithError(f"engine={engine} drafts a fixed K: set drafting.stop_below=0.")
+    if cfg.ngram_first and engine == "vllm":  # llama.cpp mixes them (its ngram+<method> run)
         raise DraftsmithError("engine=vllm: vLLM has no n-gram-first mode for a head; set ngram_first=false.")
 
 

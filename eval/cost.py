@@ -180,4 +180,24 @@ def serving_settings(method: str, engines: Engines, target_model: str, head_path
         text = sep.join(f"{f} {v}" for f, v in flags.items())
         out["sglang"] = {"flags": flags,
                          "command": f"python -m sglang.launch_server --model-path {target_model}{sep}{text}"}
+    # ngram+<m> (eval's ngram_first): llama.cpp mixes the two, vLLM and SGLang serve <m> alone
+    out["llamacpp"] = llamacpp_settings(method.removeprefix("ngram+"), engines, k, ngram_max, sep,
+                                        ngram_first=method.startswith("ngram+"))
     return out
+
+
+def llamacpp_settings(method: str, engines: Engines, k: int, ngram_max: int = 3, sep: str = " ",
+                      ngram_first: bool = False) -> dict:
+    """llama-server's --spec-type and command for `method` at K (the target and drafter as GGUF files: export
+    format=gguf writes the drafter). `ngram_first`: llama.cpp's mixing, n-gram lookup first, then the drafter."""
+    if engines.llamacpp is None:
+        return {"spec_type": None, "command": None,
+                "note": f"llama.cpp has no loader for {method!r} drafters; serve it with vLLM."}
+    types = (["ngram-simple"] if ngram_first and engines.draft_folder else []) + [engines.llamacpp]
+    flags = ["--spec-type", ",".join(types), "--spec-draft-n-max", str(k)]
+    if "ngram-simple" in types:  # llama.cpp's defaults match 12 tokens and copy 48: ours match ngram_max, copy K
+        flags += ["--spec-ngram-simple-size-n", str(ngram_max), "--spec-ngram-simple-size-m", str(k)]
+    draft = ["-md", "<head>.gguf"] if engines.draft_folder else []
+    parts = ["llama-server -m <target>.gguf", " ".join(draft + flags[:2]), " ".join(flags[2:]), "--parallel 1"]
+    return {"spec_type": ",".join(types), "flags": flags,
+            "command": sep.join(p for p in parts if p)}

@@ -92,7 +92,7 @@ def markdown(report: dict) -> str:
                   "| tokens emitted | " + " | ".join(hist) + " |",
                   "|---|" + "---:|" * len(hist),
                   "| verifications | " + " | ".join(str(c) for c in hist.values()) + " |"]
-    lines += cost_lines(report) + greedy_lines(report) + engine_lines(report)
+    lines += cost_lines(report) + greedy_lines(report) + engine_lines(report) + llamacpp_lines(report)
     lines += ["", "## Conventions", "", report["conventions"], ""]
     return "\n".join(lines)
 
@@ -140,14 +140,58 @@ def cost_lines(report: dict) -> list[str]:
         verdict = ("faster than target-only decoding" if rec["faster_than_target_only"] else
                    "still slower than target-only decoding on this hardware: do not turn speculative decoding on "
                    "with this head here; these are the least slow settings")
+        where = {"vllm": " in vLLM", "llamacpp": " in llama.cpp"}.get(rec.get("measured_by"), "")
+        what = f"{rec['drafter']}, " if rec.get("drafter") else ""
+        predicted = f" (predicted {_f(rec['predicted_speedup'])}x)" if rec.get("predicted_speedup") is not None else ""
         lines += ["", "## Recommendation", "",
-                  f"Best measured{' in vLLM' if rec.get('measured_by') == 'vllm' else ''}: {rec['mode']} K = "
-                  f"{rec['k']}, {_f(rec['measured_speedup'])}x (predicted {_f(rec['predicted_speedup'])}x), {verdict}.",
-                  ""]
-        for engine in ("vllm", "sglang"):
+                  f"Best measured{where}: {what}{rec['mode']} K = {rec['k']}, {_f(rec['measured_speedup'])}x"
+                  f"{predicted}, {verdict}.", ""]
+        for engine in ENGINE_NAMES:
+            if engine not in rec:
+                continue
             e = rec.get(engine) or {}
-            lines += [f"{'vLLM' if engine == 'vllm' else 'SGLang'}:", ""]
-            lines += ["```bash", e["command"], "```", ""] if e.get("command") else [e.get("note", "-"), ""]
+            lines += [f"{ENGINE_NAMES[engine]}:", ""]
+            shell = [e["export_command"], e["command"]] if e.get("export_command") else [e.get("command")]
+            lines += ["```bash", *shell, "```", ""] if e.get("command") else [e.get("note", "-"), ""]
+    return lines
+
+
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "llamacpp": "llama.cpp"}
+
+
+def agreement_cells(run: dict, checked: bool = True) -> tuple[str, str, str, str]:
+    """An engine run's built-in columns: τ, per-position, the equality check and the speedup ("-" where absent).
+    `checked` False: the engine served another function (a quantised GGUF), so the equality is a reading."""
+    a = run.get("agreement") or {}
+    ours = " / ".join(_f(x, 3) for x in a.get("per_position_builtin", [])) or "-"
+    if not a:
+        eq = "-"
+    elif checked:
+        eq = f"{'yes' if a['equal'] else '**no**'} ({a['tolerance']})"
+    else:
+        eq = f"{'yes' if a['equal'] else 'no'} (quantised target: not expected)"
+    tb = _f(a["tau_builtin"], 3) if a else "-"
+    sb = f"{_f(run['builtin_speedup'])}x" if run.get("builtin_speedup") is not None else "-"
+    return tb, ours, eq, sb
+
+
+def llamacpp_lines(report: dict) -> list[str]:
+    """engine=llamacpp: the same prompts in llama-server, each run beside the built-in decoder's figures."""
+    e = report.get("llamacpp")
+    if not e:
+        return []
+    lines = ["", f"## llama.cpp {e['version']} (the same prompts, engine=llamacpp)", "",
+             f"- target {e['target']} ({e['target_weights']}), greedy, one slot, {e['threads']} threads; target-only "
+             f"output identical to the built-in decoder's: {_f(e['target_only_identical_to_builtin'])}; target-only "
+             f"{_f(e['target_only_tokens_per_s'], 1)} tok/s",
+             f"- counting: {e['counting']}", "",
+             "| run | tau llama.cpp | tau built-in | per-position llama.cpp | per-position built-in | equal (tol) "
+             "| greedy identical | speedup llama.cpp | speedup built-in |", "|---|---:|---:|---|---|---|---:|---:|---:|"]
+    for name, r in e["runs"].items():
+        tb, ours, eq, sb = agreement_cells(r, checked=e.get("same_function_as_builtin", True))
+        lines.append(f"| {name} | {_f(r['tau'], 3)} | {tb} | "
+                     f"{' / '.join(_f(x, 3) for x in r['per_position_acceptance'])} | {ours} | {eq} | "
+                     f"{_f(r['greedy_identical_to_engine_target_only'])} | {_f(r['speedup'])}x | {sb} |")
     return lines
 
 
@@ -167,11 +211,7 @@ def engine_lines(report: dict) -> list[str]:
         if not r.get("loaded"):
             lines.append(f"| {name} | refused: {r.get('refused')} | - | - | - | - | - | - | - | - |")
             continue
-        a = r.get("agreement") or {}
-        ours = " / ".join(_f(x, 3) for x in a.get("per_position_builtin", [])) or "-"
-        eq = f"{'yes' if a['equal'] else '**no**'} ({a['tolerance']})" if a else "-"
-        tb = _f(a["tau_builtin"], 3) if a else "-"
-        sb = f"{_f(r['builtin_speedup'])}x" if r.get("builtin_speedup") is not None else "-"
+        tb, ours, eq, sb = agreement_cells(r)
         note = " (sequential fallback: no parallel_drafting)" if r.get("sequential_fallback") else ""
         lines.append(f"| {name}{note} | yes | {_f(r['tau'], 3)} | {tb} | "
                      f"{' / '.join(_f(x, 3) for x in r['per_position_acceptance'])} | {ours} | {eq} | "
@@ -225,10 +265,12 @@ def summary_lines(report: dict) -> str:
         lines.append(f"  baseline {name}: {tau}{b['tokens_per_s']:.1f} tokens/s, speedup {b['speedup']:.2f}x")
     rec = report.get("recommendation")
     if rec:
-        where = " in vLLM" if rec.get("measured_by") == "vllm" else ""
-        lines.append(f"  best K={rec['k']} ({rec['mode']}): {rec['measured_speedup']:.2f}x measured{where}, "
-                     f"{rec['predicted_speedup']:.2f}x predicted")
-        for engine in ("vllm", "sglang"):
+        where = {"vllm": " in vLLM", "llamacpp": " in llama.cpp"}.get(rec.get("measured_by"), "")
+        predicted = f", {rec['predicted_speedup']:.2f}x predicted" if rec.get("predicted_speedup") is not None else ""
+        what = f"{rec['drafter']} " if rec.get("drafter") else ""
+        lines.append(f"  best: {what}K={rec['k']} ({rec['mode']}): {rec['measured_speedup']:.2f}x measured{where}"
+                     f"{predicted}")
+        for engine in ENGINE_NAMES:
             if (rec.get(engine) or {}).get("command"):
                 lines.append(f"  {engine}: {rec[engine]['command']}")
     e = report.get("engine") or {}
@@ -240,6 +282,11 @@ def summary_lines(report: dict) -> str:
     elif e:
         lines.append(f"  vLLM {e['version']}: " + "; ".join(f"{n} refused: {r.get('refused')}"
                                                           for n, r in e["runs"].items() if not r.get("loaded")))
+    for name, r in (report.get("llamacpp") or {}).get("runs", {}).items():
+        a = r.get("agreement") or {}
+        beside = f" (built-in {a['tau_builtin']:.3f})" if a else ""
+        lines.append(f"  llama.cpp {name}: tau {r['tau']:.3f}{beside}, speedup {r['speedup']:.2f}x, greedy identical "
+                     f"{r['greedy_identical_to_engine_target_only']:.2f}")
     if report.get("greedy_identical_up_to_near_ties_fraction") is not None:
         lines.append(f"  greedy identical {report['greedy_identical_fraction']:.2f}, up to near-ties (margin < "
                      f"{report['near_tie_eps']}) {report['greedy_identical_up_to_near_ties_fraction']:.2f}")

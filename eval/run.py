@@ -33,6 +33,7 @@ from draftsmith.engine import Engines
 from draftsmith.eval import cost, metrics
 from draftsmith.eval.config import EvalConfig, build_settings
 from draftsmith.eval.decoder import DraftingConfig, GenerationResult, Proposer, speculative_generate
+from draftsmith.eval.engine_llamacpp import llamacpp_report
 from draftsmith.eval.engine_vllm import engine_report
 from draftsmith.eval.prompts import EvalPrompt, load_prompts, render
 from draftsmith.eval.proposers.ngram import NGRAM_ENGINES, NgramFirstProposer, NgramProposer
@@ -231,6 +232,10 @@ def run(cfg) -> dict:
     report.update(cost_report(setup, drafter, samples, report))
     if getattr(cfg, "engine", "builtin") == "vllm":  # the same prompts inside vLLM, its figures beside ours
         report.update(engine_report(setup, drafter, samples, report, _hub_id(setup.target.target_id)))
+    elif getattr(cfg, "engine", "builtin") == "llamacpp":  # the same prompts in llama-server
+        path = drafter.info.get("path")
+        write_gguf = method_for_folder(Path(path)).formats.get("gguf") if path else None
+        report.update(llamacpp_report(setup, drafter, samples, report, write_gguf))
     report["wall_s"] = round(time.perf_counter() - t0, 2)
     write_outputs(setup, drafter, report)
     return report

@@ -228,6 +228,10 @@ def write_speculators(head: DFlashHead, folder: Path, manifest_target: Optional[
                                    dtype=options.dtype, include_embeddings=options.include_embeddings)
 
 
+# formats other methods have that this one cannot be written in: export says why in one sentence
+UNSERVED_FORMATS = {"gguf": "llama.cpp's DFlash converter (conversion/qwen.py DFlashModel) maps no draft "
+                            "vocabulary, and draftsmith's DFlash folders carry one (t2d, d2t); export format=dflash "
+                            "and serve it with vLLM"}
 FORMATS = {"dflash": write_dflash, "speculators": write_speculators}
 
 

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from draftsmith.artifacts import atomic_folder, write_manifest
 from draftsmith.data_gen.target import remote_code_refused
 from draftsmith.heads.draft import DRAFT_CODE_FIX, DraftLM, check_draft_weights
+from draftsmith.heads.folders import gguf_writer
 
 
 def load_draft_folder(folder: str | Path, *, dtype: Optional[torch.dtype] = None, links_ok: bool = False):
@@ -86,7 +87,8 @@ def export_hf(model, folder: Path, manifest_target: Optional[dict], options) -> 
     return save_draft(model, folder, manifest_target, stage="export", dtype=options.dtype)
 
 
-FORMATS = {"hf": export_hf}
+# gguf: the folder as llama.cpp's converter reads it, for `llama-server -md` (--spec-type draft-simple)
+FORMATS = {"hf": export_hf, "gguf": gguf_writer(export_hf, "draft.gguf")}
 
 
 def card(options: dict, formats: list[str], commands: dict) -> dict:

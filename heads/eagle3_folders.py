@@ -28,7 +28,7 @@ from draftsmith.engine import NUM_SPECULATIVE_TOKENS
 from draftsmith.heads.eagle3 import NUM_AUX, Eagle3Head, norms_of
 from draftsmith.heads.folders import (CONFIG, EAGLE3_ARCHITECTURE, EMBED, WEIGHTS, build_head,
                                       config_from_json, eagle3_architecture_config, export_writer, folder_hooks,
-                                      folder_tensors, layer_shapes, llama_layer_config, read_checked_tensors,
+                                      folder_tensors, gguf_writer, layer_shapes, llama_layer_config, read_checked_tensors,
                                       read_config_json, speculators_fields, speculators_writer,
                                       with_target_embeddings, write_head_folder)
 from draftsmith.heads.kit import default_aux_layer_ids
@@ -147,12 +147,34 @@ def save_speculators(head: Eagle3Head, folder: str | os.PathLike, verifier: Opti
                              "speculators")
 
 
+# ---- format=gguf (llama.cpp) --------------------------------------------------------------------------
+
+def eagle3_for_gguf(head: Eagle3Head, folder: Path, manifest_target: Optional[dict], options) -> Path:
+    """The EAGLE-3 folder as llama.cpp's converter reads it: the aux-layer ids always written (it reads them at the
+    top level, HF hidden_states indices: llama.cpp captures each layer's input), the EAGLE-3.1 norms it has no
+    tensor for refused."""
+    unserved = [name for name, on in norms_of(head.config).items() if on]
+    if unserved:  # fc_norm / norm_output have no tensor in its converter; norm_before_fc is not checked there yet
+        raise DraftsmithError(f"format=gguf: this head uses the EAGLE-3.1 norms {', '.join(unserved)}, which "
+                              f"draftsmith has not checked in llama.cpp's EAGLE-3 graph; export format=eagle3 and "
+                              f"serve it with vLLM.")
+    num_layers = int((manifest_target or {}).get("num_layers") or 0)
+    aux = (manifest_target or {}).get("aux_layer_ids") or (default_aux_layer_ids(num_layers) if num_layers else None)
+    if aux is None:
+        raise DraftsmithError("format=gguf: the head's manifest names no target layers, which llama.cpp must be told; "
+                              "export a head folder written by draftsmith train.")
+    return save_eagle3(head, folder, manifest_target, {"eagle_aux_hidden_state_layer_ids": [int(i) for i in aux]},
+                       include_embeddings=options.include_embeddings, dtype=options.dtype, stage="export")
+
+
 # ---- the method table's hooks (draftsmith.methods) --------------------------------------------------
 
 # the target layers it reads (low, middle, high), captured by data-gen and computed by train / eval's runner
 target_layer_ids = default_aux_layer_ids
 load, save = folder_hooks(load_eagle3, save_eagle3)
-FORMATS = {"eagle3": export_writer(save_eagle3), "speculators": speculators_writer(save_speculators)}
+# gguf: for `llama-server -md` (--spec-type draft-eagle3); the converter reads the target's config and tokenizer
+FORMATS = {"eagle3": export_writer(save_eagle3), "speculators": speculators_writer(save_speculators),
+           "gguf": gguf_writer(eagle3_for_gguf, "eagle3.gguf", needs_target=True)}
 
 
 def card(options: dict, formats: list[str], commands: dict) -> dict:

@@ -18,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 import types
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -26,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftsmith import DraftsmithError
+from draftsmith import DraftsmithError, llamacpp
 from draftsmith.artifacts import atomic_folder, atomic_write_json, claim_output, write_manifest
 from draftsmith.heads.kit import DEFAULT_ROPE_THETA, default_aux_layer_ids, draft_config_from_target
 
@@ -380,6 +382,23 @@ def export_verifier(options, manifest_target: Optional[dict]) -> Optional[str]:
     return options.verifier or (manifest_target or {}).get("target_id")
 
 
+@dataclass
+class FormatOptions:
+    """What a method's format writers read (export's and publish's options; eval's llama.cpp bridge builds one too)."""
+
+    dtype: torch.dtype
+    include_embeddings: bool = True
+    verifier: Optional[str] = None  # speculators: the verifier's HF id or folder
+    num_speculative_tokens: int = 3  # speculators: the greedy proposal's length
+    target_folder: Optional[Callable[[], Path]] = None  # -> the target's HF folder (config + tokenizer), when needed
+
+    def target_dir(self) -> Path:
+        if self.target_folder is None:
+            raise DraftsmithError("this format needs the target's config and tokenizer: pass target_dir=<the "
+                                  "target's HF folder>.")
+        return self.target_folder()
+
+
 # The method table's folder hooks (draftsmith.methods) over a method's own loader and writers
 Loader = Callable[[Path, Any], torch.nn.Module]  # (folder, target | None) -> drafter
 Saver = Callable[[torch.nn.Module, Path, dict], Path]  # (drafter, folder, target identity) -> folder
@@ -424,3 +443,30 @@ def weights_sha256(folder: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# format=gguf: llama.cpp
+
+GGUF_OUTTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}  # export dtype -> --outtype
+
+
+def gguf_writer(save_folder: Callable[..., Path], file_name: str, needs_target: bool = False) -> FormatWriter:
+    """format=gguf: the drafter written in its engine folder format by `save_folder(drafter, folder,
+    manifest_target, options)` into a temporary folder, then converted by llama.cpp's own converter
+    (draftsmith.llamacpp) into `out/<file_name>`. `needs_target`: the converter reads the target's config and
+    tokenizer (EAGLE-3: `--target-model-dir`, options.target_folder())."""
+    def write(drafter: torch.nn.Module, folder: Path, manifest_target: Optional[dict], options) -> Path:
+        target_dir = options.target_dir() if needs_target else None
+        with tempfile.TemporaryDirectory(prefix="draftsmith-gguf-") as tmp:
+            hf = save_folder(drafter, Path(tmp) / "hf", manifest_target, options)
+            with atomic_folder(folder, owner="export") as out:
+                gguf = llamacpp.convert(hf, out / file_name, GGUF_OUTTYPES[options.dtype], target_dir)
+                if manifest_target is not None:
+                    write_manifest(out, "export", manifest_target, {"bytes": gguf.stat().st_size}, format="gguf",
+                                   gguf=file_name, converter=f"llama.cpp {llamacpp.VERSION}-{llamacpp.COMMIT}")
+                else:
+                    claim_output(out, "export")
+        return folder
+
+    return write

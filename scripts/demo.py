@@ -38,7 +38,7 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from draftsmith import DraftsmithError, checks
+from draftsmith import DraftsmithError, checks, llamacpp
 from draftsmith import artifacts as mf
 from draftsmith.artifacts import atomic_write_bytes, atomic_write_json
 from draftsmith.configs import compose
@@ -151,8 +151,17 @@ def stage_overrides(cfg, s: dict, out: Path) -> dict[str, list[str]]:
                  f"prompts.holdout={s['eval_prompts']}", "prompts.n=null", "temperature=0", "drafting.mode=chain",
                  f"drafting.num_speculative_tokens={cfg.num_speculative_tokens}",
                  f"max_new_tokens={s['eval_max_new_tokens']}", f"repeats={s['repeats']}", "baselines=[ngram]",
-                 f"seed={cfg.seed}", f"progress={str(cfg.progress).lower()}", f"out={out / 'eval'}"],
+                 f"seed={cfg.seed}", f"progress={str(cfg.progress).lower()}", f"out={out / 'eval'}"]
+                + llamacpp_overrides(s),
     }
+
+
+def llamacpp_overrides(s: dict) -> list[str]:
+    """The embedded SmolLM2 is also measured in llama.cpp, the engine CPU users serve its GGUF in, where it is built:
+    its own Q4_1 file as the target, beside the head, n-gram and head + n-gram (eval engine=llamacpp)."""
+    if s["target"] != "smollm2" or llamacpp.llamacpp_missing() is not None:
+        return []
+    return ["engine=llamacpp", "llamacpp_target=same"]
 
 
 FOLDERS = {"data_gen": "data", "train": "head", "eval": "eval"}
@@ -372,6 +381,25 @@ def budget_plan(cfg, s: dict, out: Path, t_start: float) -> dict:
     return dict(plan, calibrated_now=True)
 
 
+def llamacpp_summary(report: dict, target: str) -> list[str]:
+    """llama.cpp's speedups of the head, n-gram and head + n-gram, and which one wins; how to get it when missing."""
+    e = report.get("llamacpp")
+    if not e:
+        if target != "smollm2":
+            return []
+        return [f"  llama.cpp: not measured ({llamacpp.llamacpp_missing() or 'eval ran without engine=llamacpp'}); "
+                f"`{llamacpp.BUILD}` builds it, and the next demo run measures the head there too"]
+    runs = e["runs"]
+    # speedups only: llama.cpp's tau counts only the steps that had a draft, which flatters n-gram lookup
+    cells = ", ".join(f"{name} {r['speedup']:.2f}x" for name, r in runs.items())
+    best = max(runs, key=lambda n: runs[n]["speedup"])
+    verdict = (f"{best} wins" if runs[best]["speedup"] > 1.0 else
+               f"none is faster than target-only; {best} is the least slow")
+    head_tau = f", head tau {e['tau']:.2f}" if e.get("tau") is not None else ""
+    return [f"  llama.cpp ({Path(e['target']).name}, {e['target_only_tokens_per_s']:.1f} tokens/s target-only"
+            f"{head_tau}): {cells}: {verdict}"]
+
+
 def summary(result: dict) -> str:
     """The few lines the demo ends with (the CLI prints them): tau, per-position acceptance, speedup, the report."""
     r = result["report"]
@@ -387,6 +415,7 @@ def summary(result: dict) -> str:
     ]
     if ngram:
         lines.append(f"  n-gram lookup baseline (no training): tau {ngram['tau']:.2f}, speedup {ngram['speedup']:.2f}x")
+    lines += llamacpp_summary(r, result["sizes"]["target"])
     if result.get("plan"):
         p = result["plan"]
         lines.append(f"  sized to {p['budget_s'] / 60:.0f} min: {p['n_prompts']} training prompts, {p['train_steps']} steps "

@@ -38,6 +38,7 @@ class Engines:
     sglang: Optional[str] = None  # SGLang --speculative-algorithm; None: SGLang cannot serve it
     vllm_options: tuple[tuple[str, Any], ...] = ()  # further --speculative-config keys, as (key, value) pairs
     draft_folder: bool = True  # the engines load the method's folder as the draft (False: prompt lookup, no folder)
+    llamacpp: Optional[str] = None  # llama-server --spec-type (its GGUF from export format=gguf); None: no loader
 
 
 # K, the number of drafted tokens per cycle: the one default of eval (drafting.num_speculative_tokens), export and

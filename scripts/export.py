@@ -7,6 +7,7 @@ heads/eagle3_folders.py) and `format=speculators` (vLLM's speculators format, th
 
 from __future__ import annotations
 
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +18,9 @@ from omegaconf.errors import MissingMandatoryValue
 
 from draftsmith import DraftsmithError, checks
 from draftsmith.artifacts import MANIFEST, claim_output, owns, prepare_output, read_manifest
-from draftsmith.data_gen.target import DTYPES, KNOWN_TARGETS, PRESETS, torch_dtype
-from draftsmith.engine import NUM_SPECULATIVE_TOKENS
-from draftsmith.heads.folders import CONFIG
+from draftsmith.data_gen.target import DTYPES, KNOWN_TARGETS, PRESETS, TargetConfig, load_target, torch_dtype
+from draftsmith.engine import NUM_SPECULATIVE_TOKENS, served_folder
+from draftsmith.heads.folders import CONFIG, FormatOptions
 from draftsmith.methods import export_formats, method_for_folder
 
 
@@ -30,6 +31,9 @@ class ExportConfig:
     out: Optional[str] = None  # output folder; default: beside the head, `<head>-<format>`
     # speculators: the verifier's HF id or folder (default: the target id in the head's manifest)
     verifier: Optional[str] = None
+    # gguf (EAGLE-3): the target's HF folder whose config and tokenizer llama.cpp's converter reads (default: the
+    # head's target, e.g. the embedded GGUF's cached safetensors copy)
+    target_dir: Optional[str] = None
     num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS  # K; speculators: the greedy proposal's length
     dtype: str = "bfloat16"  # dtype of the written weights: bfloat16 | float16 | float32
     include_embeddings: bool = True  # False: engines share the target's embeddings
@@ -69,6 +73,8 @@ def run(cfg) -> Path:
                               f"(its final/).")
     method = method_for_folder(head_dir)
     fmt = cfg.format or next(iter(method.formats), None)
+    if fmt in method.unserved_formats:
+        raise DraftsmithError(f"format={fmt} cannot be written for {method.name} heads: {method.unserved_formats[fmt]}.")
     if fmt not in method.formats:
         raise DraftsmithError(f"format={fmt} is not a format of {method.name} heads; choose from "
                               f"{', '.join(method.formats) or 'none (it cannot be exported)'}.")
@@ -77,11 +83,19 @@ def run(cfg) -> Path:
     out = prepare_output(out, "export", inputs, overwrite=bool(cfg.overwrite))
     drafter = method.load(head_dir)
     target = read_manifest(head_dir).get("target") if (head_dir / MANIFEST).is_file() else None
+    created = not out.exists()
     if not owns(out, "export"):
         claim_output(out, "export")  # the atomic swap below then replaces only our own folder
     verifier = cfg.verifier or (default_verifier((target or {}).get("target_id")) if fmt == "speculators" else None)
-    options = ExportOptions(torch_dtype(cfg.dtype), cfg.include_embeddings, verifier, cfg.num_speculative_tokens)
-    return method.formats[fmt](drafter, out, target, options)
+    target_id = (target or {}).get("target_id")
+    options = FormatOptions(torch_dtype(cfg.dtype), cfg.include_embeddings, verifier, cfg.num_speculative_tokens,
+                            lambda: head_target_folder(getattr(cfg, "target_dir", None), target_id))
+    try:
+        return method.formats[fmt](drafter, out, target, options)
+    except BaseException:
+        if created:  # made just now, holding only our claim: a failed export leaves nothing behind
+            shutil.rmtree(out, ignore_errors=True)
+        raise
 
 
 def default_verifier(target_id: Optional[str]) -> Optional[str]:
@@ -102,15 +116,27 @@ def default_verifier(target_id: Optional[str]) -> Optional[str]:
     return hub_id
 
 
+def head_target_folder(target_dir: Optional[str], target_id: Optional[str]) -> Path:
+    """The target's HF folder (config.json + tokenizer) a format writer reads: export.target_dir, else the head's
+    target as draftsmith loads it (a preset or GGUF file: its cached safetensors copy), its weights not read."""
+    if target_dir:
+        folder = Path(target_dir)
+        if not (folder / CONFIG).is_file():
+            raise DraftsmithError(f"export.target_dir={target_dir!r} has no config.json: give the target's HF folder.")
+        return folder
+    if not target_id:
+        raise DraftsmithError("this format needs the target's config and tokenizer, and the head has no manifest "
+                              "naming its target: pass target_dir=<the target's HF folder>.")
+    target = load_target(TargetConfig(name=target_id), lazy=True)
+    try:
+        folder = Path(served_folder(target, "export format=gguf"))
+    except DraftsmithError:  # a preset with no folder of its own (tiny)
+        folder = Path()
+    if not (folder / CONFIG).is_file():
+        raise DraftsmithError(f"export format=gguf: the head's target {target_id!r} is not a local folder; pass "
+                              f"target_dir=<the target's HF folder>.")
+    return folder
+
+
 def summary(path: Path) -> str:
     return f"draftsmith export: wrote the head to {path}"
-
-
-@dataclass
-class ExportOptions:
-    """What a method's format writers read of the export options (dtype already a torch dtype)."""
-
-    dtype: torch.dtype
-    include_embeddings: bool
-    verifier: Optional[str]
-    num_speculative_tokens: int

@@ -115,6 +115,11 @@ class Method:
     def formats(self) -> dict[str, Callable]:
         return self.heads.FORMATS
 
+    @property
+    def unserved_formats(self) -> dict[str, str]:
+        """format -> why this method cannot be written in it (optional UNSERVED_FORMATS of its folders)."""
+        return dict(getattr(self.heads, "UNSERVED_FORMATS", {}))
+
     def load(self, folder: Path, target: Any = None) -> Any:
         return self.heads.load(folder, target)
 
@@ -153,7 +158,7 @@ class Method:
 
 ROWS = (
     Method("eagle3", folders="draftsmith.heads.eagle3_folders", proposers="draftsmith.eval.proposers.eagle3",
-           training_module="draftsmith.train.eagle3", engines=Engines(vllm="eagle3", sglang="EAGLE3")),
+           training_module="draftsmith.train.eagle3", engines=Engines(vllm="eagle3", sglang="EAGLE3", llamacpp="draft-eagle3")),
     # P-EAGLE's folders share EAGLE-3's architecture (`LlamaForCausalLMEagle3`, as vLLM wants): it claims those
     # with "parallel_drafting": true. vLLM serves it as eagle3 with parallel drafting; SGLang has no P-EAGLE.
     Method("peagle", folders="draftsmith.heads.peagle_folders", proposers="draftsmith.eval.proposers.peagle",
@@ -164,7 +169,7 @@ ROWS = (
            training_module="draftsmith.train.dflash", engines=Engines(vllm="dflash")),
     # the catch-all (ARCHITECTURES = ()): any HF causal-LM folder is evaluated as a draft model
     Method("draft", folders="draftsmith.heads.draft_folders", proposers="draftsmith.eval.proposers.draft",
-           training_module="draftsmith.train.draft", engines=Engines(vllm="draft_model", sglang="STANDALONE")),
+           training_module="draftsmith.train.draft", engines=Engines(vllm="draft_model", sglang="STANDALONE", llamacpp="draft-simple")),
 )
 METHODS: dict[str, Method] = {row.name: row for row in ROWS}
 

@@ -39,7 +39,8 @@ from draftsmith.artifacts import (MANIFEST, OWNER, RECORD, atomic_folder, atomic
 from draftsmith.data_gen.target import DTYPES, KNOWN_TARGETS, PRESETS, torch_dtype
 from draftsmith.engine import NUM_SPECULATIVE_TOKENS, Engines
 from draftsmith.eval.cost import serving_settings
-from draftsmith.export import ExportOptions, is_set
+from draftsmith.export import is_set
+from draftsmith.heads.folders import FormatOptions
 from draftsmith.heads.folders import WEIGHTS, check_weights_file, weights_sha256
 from draftsmith.methods import export_formats, method_for_folder, read_folder_config
 
@@ -209,7 +210,8 @@ def card_commands(method: str, engines: Engines, base_model: str, repo_id: str, 
                                 tree_top_k=int(drafting.get("tree_top_k", 1)),
                                 tree_size=int(drafting["tree_budget"]) if tree and drafting.get("tree_budget") else None,
                                 line_break=True)
-    return {engine: settings[engine]["command"] for engine in ("vllm", "sglang") if settings[engine]["command"]}
+    return {engine: settings[engine]["command"] for engine in ("vllm", "sglang", "llamacpp")
+            if settings[engine]["command"]}
 
 
 def eval_results(report: dict, base_model: str) -> list:
@@ -364,6 +366,9 @@ def build_card(cfg, base_model: str, license: str, report: Optional[dict], summa
         body += ["SGLang:", "", "```bash", commands["sglang"], "```", ""]
     else:
         body += [parts["no_sglang"], ""]
+    if "llamacpp" in commands:  # llama.cpp loads GGUF files only: the target's, and this head converted
+        body += ["llama.cpp (CPU), after `draftsmith export head=<this folder> format=gguf` (llama.cpp's own "
+                 "converter) and with the target as a GGUF file:", "", "```bash", commands["llamacpp"], "```", ""]
     body += [f"K = {k} speculative tokens" + (" (the eval's setting)." if report else "."), ""]
     body += eval_section(report, plot) + method_section(summary, parts)
     body += ["## Files", ""] + [f"- `{'.' if i == 0 else fmt + '/'}`: the {fmt} format ({parts['files'][fmt]})"
@@ -472,7 +477,7 @@ def write_formats(folder: Path, tmp: Path, formats: list[str], cfg, base_model: 
     """Export the head into tmp with its method's writers: the first format at the root, the others in subfolders."""
     head = method.load(folder)
     target = read_manifest(folder).get("target") if (folder / MANIFEST).is_file() else None
-    options = ExportOptions(torch_dtype(cfg.dtype), cfg.include_embeddings, verifier=base_model, num_speculative_tokens=k)
+    options = FormatOptions(torch_dtype(cfg.dtype), cfg.include_embeddings, verifier=base_model, num_speculative_tokens=k)
     for i, fmt in enumerate(formats):
         sub = tmp / (f".{fmt}-root" if i == 0 else fmt)
         method.formats[fmt](head, sub, target, options)
@@ -488,7 +493,8 @@ def write_publish_folder(cfg, out: Path, folder: Path, report: Optional[tuple[di
     """The Hub-ready folder (atomically): formats, eval/ (report + plot), README.md; `method`: the folder's
     entry in draftsmith.methods (`head_folder` finds it); `public`: the local paths its text files must not hold
     (`public_paths`), rewritten last."""
-    formats = list(cfg.formats) if cfg.formats is not None else list(method.formats)
+    # by default every format but gguf, which needs llama.cpp's converter built here (formats=[..., gguf] adds it)
+    formats = list(cfg.formats) if cfg.formats is not None else [f for f in method.formats if f != "gguf"]
     with atomic_folder(out, owner="publish", overwrite=bool(cfg.overwrite)) as tmp:  # (keeps the user's files)
         claim_output(tmp, "publish")
         write_formats(folder, tmp, formats, cfg, base_model, k, method)

@@ -4,7 +4,9 @@
 # Idempotent: a second run only checks what is there.
 #
 #   bash scripts/setup.sh            .venv only
-#   bash scripts/setup.sh --engine   also .venv-vllm: vLLM for CPU, the engine every export is tested in
+#   bash scripts/setup.sh --engine   also the engines every export is tested in: .venv-vllm (vLLM for CPU) and
+#                                    llama.cpp's llama-server, built from source once and cached by version
+#                                    (scripts/build_llamacpp.sh, about 9 min on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -69,3 +71,7 @@ from vllm import LLM  # noqa: F401  (imports the engine's whole stack: a broken 
 assert vllm.__version__ == sys.argv[1], f".venv-vllm has vllm {vllm.__version__}, expected {sys.argv[1]}"
 print(f"engine ready: vllm {vllm.__version__} (torch {torch.__version__}) in .venv-vllm")
 PY
+
+# llama.cpp: llama-server and its converter, built from the sdist of the pinned llama-cpp-python (no prebuilt binary
+# exists to download), cached outside the checkout by version: a second setup only checks the binary.
+PYTHON=.venv/bin/python bash scripts/build_llamacpp.sh

@@ -77,12 +77,29 @@ def engine_ready():
     DRAFTSMITH_REQUIRE_ENGINE=1 (CI) a missing engine fails instead, so the engine tests are never silently green."""
     from draftsmith import engine
 
-    missing = engine.engine_missing()
+    require(engine.engine_missing(), "engine")
+    return engine.engine_python()
+
+
+@pytest.fixture(scope="session")
+def llamacpp_ready():
+    """llama.cpp's cached build (llama-server and the converter: bash scripts/setup.sh --engine) -> its folder, or a
+    skip with the sentence that says how to build it; where DRAFTSMITH_REQUIRE_ENGINE=1 a missing build fails."""
+    from draftsmith import llamacpp
+
+    require(llamacpp.llamacpp_missing(), "llama.cpp")
+    return llamacpp.llamacpp_home()
+
+
+def require(missing, what: str) -> None:
+    """A missing engine (`missing`: the sentence that says why, or None): a skip, or a failure where
+    DRAFTSMITH_REQUIRE_ENGINE=1 (CI), so the engine tests are never silently green."""
+    from draftsmith import engine
+
     if missing:
         if engine.engine_required():
-            pytest.fail(f"{missing}; the engine tests must run here ({engine.REQUIRE_ENV}=1)")
+            pytest.fail(f"{missing}; the {what} tests must run here ({engine.REQUIRE_ENV}=1)")
         pytest.skip(missing)
-    return engine.engine_python()
 
 
 @pytest.fixture(scope="session")

@@ -135,3 +135,31 @@ def test_budgeted_tiny_demo_calibrates_plans_and_reuses_its_plan(tmp_path, monke
     assert result["train"]["steps"] == plan["train_steps"]
     again = run(cfg)  # the saved plan is reused: same sizes, so every stage is complete
     assert again["plan"]["n_prompts"] == plan["n_prompts"] and again["skipped"] == ["data_gen", "train", "eval"]
+
+
+def test_smollm2_demo_measures_in_llamacpp_only_where_it_is_built(monkeypatch):
+    from draftsmith import demo
+
+    monkeypatch.setattr(demo.llamacpp, "llamacpp_missing", lambda: None)
+    assert demo.llamacpp_overrides({"target": "smollm2"}) == ["engine=llamacpp", "llamacpp_target=same"]
+    assert demo.llamacpp_overrides({"target": "tiny"}) == []  # no GGUF of its own: nothing a CPU user serves
+    monkeypatch.setattr(demo.llamacpp, "llamacpp_missing", lambda: "llama.cpp not built: x does not exist")
+    assert demo.llamacpp_overrides({"target": "smollm2"}) == []
+    line = demo.llamacpp_summary({}, "smollm2")[0]
+    assert "not built" in line and demo.llamacpp.BUILD in line
+
+
+def test_demo_summary_names_llamacpps_winner():
+    from draftsmith import demo
+
+    def report(head, ngram, mixed):
+        runs = {"eagle3": {"speedup": head, "tau": 1.9}, "ngram": {"speedup": ngram, "tau": 3.0},
+                "ngram+eagle3": {"speedup": mixed, "tau": 2.1}}
+        return {"llamacpp": {"runs": runs, "tau": 1.9, "target": "/x/SmolLM2.Q4_1.gguf",
+                             "target_only_tokens_per_s": 30.0}}
+
+    line = demo.llamacpp_summary(report(1.01, 1.12, 1.15), "smollm2")[0]
+    assert "ngram+eagle3 wins" in line and "eagle3 1.01x" in line and "ngram 1.12x" in line
+    assert "eagle3 wins" in demo.llamacpp_summary(report(1.3, 1.12, 1.15), "smollm2")[0]
+    slow = demo.llamacpp_summary(report(0.8, 0.9, 0.95), "smollm2")[0]
+    assert "none is faster than target-only; ngram+eagle3 is the least slow" in slow

@@ -42,10 +42,11 @@ def test_serving_settings_come_from_the_rows_engines_alone():
 
 def test_every_row_says_what_the_engines_call_it():
     rows = methods.methods()
-    assert rows["eagle3"].engines == Engines(vllm="eagle3", sglang="EAGLE3")
+    assert rows["eagle3"].engines == Engines(vllm="eagle3", sglang="EAGLE3", llamacpp="draft-eagle3")
     assert rows["peagle"].engines.vllm == "eagle3" and dict(rows["peagle"].engines.vllm_options) == {
         "parallel_drafting": True} and rows["peagle"].engines.sglang is None
-    assert rows["draft"].engines == Engines(vllm="draft_model", sglang="STANDALONE")
+    assert rows["draft"].engines == Engines(vllm="draft_model", sglang="STANDALONE", llamacpp="draft-simple")
+    assert rows["peagle"].engines.llamacpp is None and rows["dflash"].engines.llamacpp is None
     assert methods.Method("x", folders="a", proposers="b").engines.vllm is None  # a new row serves nowhere by default
 
 

@@ -9,7 +9,7 @@ from draftsmith.eval.decoder import Draft, DraftingConfig
 from draftsmith.sampling import SamplingConfig
 
 # prompt lookup in the engines (eval's own method: no folder, no row in draftsmith.methods)
-NGRAM_ENGINES = Engines(vllm="ngram", sglang="NGRAM", draft_folder=False)
+NGRAM_ENGINES = Engines(vllm="ngram", sglang="NGRAM", draft_folder=False, llamacpp="ngram-simple")
 
 NGRAM_MATCHES = ("latest", "earliest")  # which occurrence of the suffix a draft copies from (earliest = vLLM's)
 

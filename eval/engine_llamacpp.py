@@ -1,0 +1,211 @@
+"""`draftsmith eval engine=llamacpp`: the same prompts decoded by llama-server, its figures beside the built-in
+decoder's.
+
+llama.cpp is the engine CPU users serve GGUF models in (draftsmith.llamacpp builds and runs it). This module
+decodes an eval run's prompts there, one llama-server per run, and returns the report's `llamacpp` section:
+
+    llamacpp_runs     target-only, the head at K (and every sweep_k), n-gram lookup (ngram-simple), and head +
+                      n-gram (llama.cpp's mixing: the n-gram draft when the context has a match, else the head's)
+    target_gguf       what llama-server loads as the target: the target's own GGUF (the Q4_1 file the head was
+                      trained on), or with llamacpp_target=f32|bf16 its dequantised weights converted
+    head_gguf         the head written by `export format=gguf` into a temporary folder (float32 beside an f32
+                      target)
+    llamacpp_report   decode every run, then per run: greedy output, τ and per-position acceptance from
+                      llama.cpp's counters, tokens/s from its clock, speedup against its target-only run
+
+llama.cpp counts as vLLM does (draftsmith.llamacpp), so the built-in decoder's figures beside its are
+counted by eval/engine_vllm.py's `builtin_counts` and compared by its `agreement`. llama.cpp gives no
+per-request step detail, so the agreement is the pooled figures' alone.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from draftsmith import DraftsmithError, llamacpp
+from draftsmith.artifacts import MANIFEST, read_manifest
+from draftsmith.data_gen.target import cache_root, smollm2_gguf_path
+from draftsmith.engine import served_folder
+from draftsmith.eval import metrics
+from draftsmith.eval.cost import llamacpp_settings
+from draftsmith.eval.engine_vllm import TARGET_ONLY, agreement, figures, fraction_equal, run_name
+from draftsmith.eval.proposers.ngram import NGRAM_ENGINES
+from draftsmith.heads.folders import FormatOptions
+from draftsmith.progress import progress
+
+# --------------------------------------------------------------------------- what llama-server loads
+
+def target_gguf(target, how: str) -> Path:
+    """The target as llama-server loads it. `same`: the GGUF file the target was loaded from (draftsmith
+    dequantised it; llama.cpp computes with the quantised blocks, so τ may differ a little), an HF target
+    converted to f32. `f32` / `bf16`: the weights draftsmith computes with, converted (cached by the target's hash)."""
+    name = str(target.target_id)
+    if how == "same":
+        if name == "smollm2":
+            return smollm2_gguf_path()
+        if name.endswith(".gguf"):
+            return Path(name)
+        how = "f32"
+    cached = cache_root() / "llamacpp-targets" / f"{Path(name).name}-{target.target_hash}-{how}.gguf"
+    if not cached.is_file():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        llamacpp.convert(Path(served_folder(target, "engine=llamacpp")), cached, how)
+    return cached
+
+
+def head_gguf(drafter, write_gguf, target, folder: Path, dtype: torch.dtype) -> Path:
+    """The head written by its method's gguf writer `write_gguf` (what `export format=gguf` runs) into `folder`."""
+    path = Path(drafter.info["path"])
+    manifest_target = read_manifest(path).get("target") if (path / MANIFEST).is_file() else target.identity()
+    options = FormatOptions(dtype, target_folder=lambda: Path(served_folder(target, "engine=llamacpp")))
+    write_gguf(drafter.model, folder, manifest_target, options)
+    return next(folder.glob("*.gguf"))
+
+
+# --------------------------------------------------------------------------- the runs
+
+def llamacpp_runs(cfg, drafter, k: int) -> list[dict]:
+    """Each run's name, K and llama-server's speculative flags (eval/cost.py `llamacpp_settings`)."""
+    runs = [{"name": TARGET_ONLY, "flags": [], "draft": False}]
+    method = drafter.method.removeprefix("ngram+")
+    ngram = lambda kk: llamacpp_settings("ngram", NGRAM_ENGINES, kk, cfg.ngram_max)  # noqa: E731
+    if drafter.make is None:
+        return runs
+    if method == "ngram":
+        return runs + [{"name": "ngram", "k": k, "flags": ngram(k)["flags"], "draft": False}]
+    if drafter.engines.llamacpp is None:
+        raise DraftsmithError(f"engine=llamacpp: {llamacpp_settings(method, drafter.engines, k)['note']}")
+    for kk in dict.fromkeys([k, *getattr(cfg, "sweep_k", [])]):
+        runs.append({"name": run_name(method, kk, k), "k": kk, "draft": True,
+                     "flags": llamacpp_settings(method, drafter.engines, kk, cfg.ngram_max)["flags"]})
+    runs.append({"name": "ngram", "k": k, "flags": ngram(k)["flags"], "draft": False})
+    runs.append({"name": f"ngram+{method}", "k": k, "draft": True,
+                 "flags": llamacpp_settings(method, drafter.engines, k, cfg.ngram_max, ngram_first=True)["flags"]})
+    return runs
+
+
+def decode_run(model: Path, draft: Optional[Path], run: dict, prompts: list[list[int]], max_tokens: int,
+               repeats: int, warmup: int, threads: int, ctx: int) -> dict:
+    """One llama-server: `warmup` prompts untimed, then every prompt `repeats` times (its median seconds; tokens
+    and counters from the first)."""
+    with llamacpp.Server(str(model), str(draft) if run["draft"] else None, run["flags"], threads=threads, ctx=ctx,
+                         what=f"engine=llamacpp ({run['name']})") as server:
+        for p in prompts[:warmup]:
+            server.complete(p, max_tokens)
+        tokens, seconds, counters = [], [], []
+        for p in prompts:
+            results = [server.complete(p, max_tokens) for _ in range(repeats)]
+            tokens.append(results[0]["tokens"])
+            seconds.append(statistics.median(r["seconds"] for r in results))
+            counters.append(results[0].get("counters"))
+    out = {"tokens": tokens, "seconds": seconds}
+    if run["flags"]:
+        out["counters"] = pooled(counters)
+    return out
+
+
+def pooled(counters: list[dict]) -> dict:
+    n = max([len(c["num_accepted_tokens_per_pos"]) for c in counters] + [0])
+    return {key: sum(c[key] for c in counters) for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")} | {
+        "num_accepted_tokens_per_pos": [sum((c["num_accepted_tokens_per_pos"] + [0] * n)[i] for c in counters)
+                                        for i in range(n)]}
+
+
+# --------------------------------------------------------------------------- the report's section
+
+def llamacpp_report(setup, drafter, samples: dict[str, list[metrics.Sample]], report: dict, write_gguf=None) -> dict:
+    """Decode the eval's prompts in llama-server; the report's `llamacpp` section and llama.cpp's recommendation.
+    `write_gguf`: the head's method's gguf format writer (its row's FORMATS["gguf"]), for a head folder."""
+    cfg, d = setup.cfg, setup.drafting
+    missing = llamacpp.llamacpp_missing()
+    if missing:
+        raise DraftsmithError(f"engine=llamacpp: {missing}.")
+    base = samples[TARGET_ONLY]
+    prompts = [s.prompt_ids for s in base]
+    k = d.num_speculative_tokens
+    runs = llamacpp_runs(cfg, drafter, k)
+    how = getattr(cfg, "llamacpp_target", "same")
+    model = target_gguf(setup.target, how)
+    ctx = max(len(p) for p in prompts) + cfg.max_new_tokens + max([r.get("k") or 0 for r in runs]) + 64
+    threads = torch.get_num_threads()  # the built-in decoder's: the same cores on both sides
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="draftsmith-llamacpp-") as tmp:
+        draft = None
+        if any(r["draft"] for r in runs):
+            dtype = torch.float32 if how in ("same", "f32") else torch.bfloat16
+            if write_gguf is None:
+                raise DraftsmithError(f"engine=llamacpp: {drafter.method} heads have no GGUF format.")
+            draft = head_gguf(drafter, write_gguf, setup.target, Path(tmp) / "head", dtype)
+        for run in progress(runs, desc="llama.cpp", unit="run", enabled=cfg.progress):
+            results[run["name"]] = decode_run(model, draft, run, prompts, cfg.max_new_tokens, cfg.repeats,
+                                              cfg.warmup_prompts, threads, ctx)
+    engine_base = results[TARGET_ONLY]
+    base_tps = tps(engine_base)
+    section = {"name": "llamacpp", "version": f"{llamacpp.VERSION}-{llamacpp.COMMIT}", "target": str(model),
+               "target_weights": how, "threads": threads,
+               # converted from the weights draftsmith computes with: the τ agreement is expected to hold; a GGUF
+               # served as it is (Q4_1) computes another function, and its agreement is a reading, not a check
+               "same_function_as_builtin": model.parent.name == "llamacpp-targets",
+               "counting": "llama-server's Prometheus counters per request: tau = 1 + accepted / drafts (a "
+                           "verification with a draft is one draft), per-position = accepted at i / drafts; the "
+                           "built-in decoder's figures beside them are counted the same way",
+               "target_only_tokens_per_s": base_tps,
+               "target_only_identical_to_builtin": fraction_equal(engine_base["tokens"], [s.tokens for s in base]),
+               "runs": {}}
+    for run in runs[1:]:
+        got = results[run["name"]]
+        fig = figures(got["counters"])
+        r = {"k": run["k"], "flags": run["flags"], "tau": fig["tau"],
+             "per_position_acceptance": (fig["per_position_acceptance"] + [0.0] * run["k"])[: run["k"]],
+             "counters": got["counters"], "speculative_tokens_per_s": tps(got),
+             "speedup": metrics.speedup(tps(got), base_tps),
+             "greedy_identical_to_engine_target_only": fraction_equal(got["tokens"], engine_base["tokens"]),
+             "greedy_identical_to_builtin_target_only": fraction_equal(got["tokens"], [s.tokens for s in base])}
+        builtin = samples.get(run["name"])
+        if builtin is not None:
+            r["builtin_speedup"] = metrics.compare(builtin, base)["speedup"]
+            if not run["name"].startswith("ngram"):  # llama.cpp's ngram-simple matches one length, ours several
+                r["agreement"] = agreement(builtin, got, run["k"])
+        section["runs"][run["name"]] = r
+    main = section["runs"].get(drafter.method)  # the evaluated drafter's own run (ngram+<m>: the mixed one)
+    if main is not None:
+        section.update({key: main[key] for key in ("tau", "per_position_acceptance", "speedup") if key in main})
+        if "agreement" in main:
+            section["agreement"] = main["agreement"]
+    out = {"llamacpp": section}
+    rec = recommendation(section, drafter, cfg)
+    if rec is not None:
+        out["builtin_recommendation"] = report.get("recommendation")
+        out["recommendation"] = rec
+    return out
+
+
+def tps(run: dict) -> float:
+    return metrics.tokens_per_s(sum(len(t) for t in run["tokens"]), sum(run["seconds"]))
+
+
+def recommendation(section: dict, drafter, cfg) -> Optional[dict]:
+    """llama.cpp's measured best of every speculative run (the head at each K, n-gram, head + n-gram), with its
+    llama-server command."""
+    if not section["runs"]:
+        return None
+    name, best = max(section["runs"].items(), key=lambda kv: kv[1]["speedup"])
+    method = drafter.method.removeprefix("ngram+")
+    mixed = name.startswith("ngram+")
+    engines = NGRAM_ENGINES if name == "ngram" else drafter.engines
+    settings = llamacpp_settings("ngram" if name == "ngram" else method, engines, best["k"], cfg.ngram_max,
+                                 ngram_first=mixed)
+    if settings.get("command"):  # the target this eval served; the head as `draftsmith export format=gguf` writes it
+        settings["command"] = settings["command"].replace("<target>.gguf", section["target"])
+        if "<head>.gguf" in settings["command"]:
+            out = f"{drafter.info.get('path')}-gguf"
+            settings["export_command"] = f"draftsmith export head={drafter.info.get('path')} format=gguf out={out}"
+            settings["command"] = settings["command"].replace("<head>.gguf", f"{out}/{method}.gguf")
+    return {"k": best["k"], "mode": "chain", "drafter": name, "measured_speedup": best["speedup"],
+            "measured_by": "llamacpp", "predicted_speedup": None, "faster_than_target_only": best["speedup"] > 1.0,
+            "llamacpp": settings}

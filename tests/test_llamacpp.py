@@ -1,0 +1,465 @@
+"""llama.cpp beside draftsmith, the fast part: its /metrics counters, the llama-server flags of the serving
+settings, the sentence that says it is not built, a llama-server that cannot start, `export format=gguf` (refused
+in one sentence for P-EAGLE and DFlash, and into a folder that is not its own) and eval's engine=llamacpp options.
+
+The tests that run llama.cpp's binary or converter skip with the sentence of `llamacpp_missing()` where it is not
+built (`bash scripts/setup.sh --engine`), and fail where DRAFTSMITH_REQUIRE_ENGINE=1. The slow half, every GGUF
+export decoding SmolLM2's prompts in llama-server, is tests/test_engine_llamacpp.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from draftsmith import DraftsmithError, engine, llamacpp
+from draftsmith.cli import main
+from draftsmith.configs import compose
+from draftsmith.eval import cost
+from draftsmith.eval import engine_llamacpp as ll
+from draftsmith.eval.config import LLAMACPP_TARGETS
+from draftsmith.eval.engine_vllm import TARGET_ONLY
+from draftsmith.eval.proposers.ngram import NGRAM_ENGINES
+from draftsmith.export import run as export
+from draftsmith.methods import method_for_folder, methods
+
+try:
+    import psutil
+except ImportError:  # the process check then reads the Popen alone
+    psutil = None
+
+DRAFT_VOCAB = 64
+
+
+@pytest.fixture(autouse=True)
+def keep_argv(monkeypatch):
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # main() hands its overrides to Hydra through sys.argv
+
+
+# --------------------------------------------------------------------------- llama-server's counters
+
+def metrics_text(drafts: int, draft_tokens: int, accepted: int, per_pos: list[int]) -> str:
+    """llama-server's /metrics body as tools/server/server-task.cpp writes it: HELP, TYPE and value of every counter
+    and gauge (values streamed as C++ doubles), then the per-position series once a draft was accepted."""
+    counters = [("prompt_tokens_total", 57), ("prompt_tokens_cached_total", 0), ("prompt_seconds_total", 0.0213),
+                ("tokens_predicted_total", 64), ("tokens_predicted_seconds_total", 0.87), ("n_decode_total", 31),
+                ("n_tokens_max", 121), ("spec_decode_num_draft_tokens_total", draft_tokens),
+                ("spec_decode_num_accepted_tokens_total", accepted), ("spec_decode_num_drafts_total", drafts)]
+    gauges = [("prompt_tokens_seconds", 2676.06), ("predicted_tokens_seconds", 73.5632), ("requests_processing", 0),
+              ("requests_deferred", 0), ("n_busy_slots_per_decode", 1)]
+    lines = []
+    for kind, items in (("counter", counters), ("gauge", gauges)):
+        for name, value in items:
+            lines += [f"# HELP llamacpp:{name} {name.replace('_', ' ')}", f"# TYPE llamacpp:{name} {kind}",
+                      f"llamacpp:{name} {value}"]
+    if per_pos:
+        name = "llamacpp:spec_decode_num_accepted_tokens_per_pos_total"
+        lines += [f"# HELP {name} Accepted tokens per draft position", f"# TYPE {name} counter"]
+        lines += [f'{name}{{position="{i}"}} {v}' for i, v in enumerate(per_pos)]
+    return "\n".join(lines) + "\n"
+
+
+def test_parse_metrics_reads_the_speculative_counters_and_nothing_else():
+    per_pos = [7, 4, 2]
+    got = llamacpp.parse_metrics(metrics_text(12, 36, sum(per_pos), per_pos))
+    assert got == {"num_drafts": 12, "num_draft_tokens": 36, "num_accepted_tokens": sum(per_pos),
+                   "num_accepted_tokens_per_pos": per_pos}
+    assert all(isinstance(v, int) for v in got.values() if not isinstance(v, list))
+
+
+def test_parse_metrics_before_any_draft_is_zero_with_no_positions():
+    assert llamacpp.parse_metrics(metrics_text(0, 0, 0, [])) == {
+        "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_accepted_tokens_per_pos": []}
+
+
+def test_parse_metrics_reads_counters_streamed_as_cpp_doubles():
+    """A C++ stream writes the double 1000000 as 1e+06: still the integer count."""
+    text = metrics_text(0, 0, 0, [3]).replace("llamacpp:spec_decode_num_draft_tokens_total 0",
+                                              "llamacpp:spec_decode_num_draft_tokens_total 1e+06")
+    assert llamacpp.parse_metrics(text)["num_draft_tokens"] == 1_000_000
+
+
+def test_parse_metrics_keeps_positions_in_order_whatever_the_line_order():
+    per_pos = [9, 5, 1]
+    lines = metrics_text(10, 30, sum(per_pos), per_pos).splitlines()
+    lines.reverse()
+    assert llamacpp.parse_metrics("\n".join(lines))["num_accepted_tokens_per_pos"] == per_pos
+
+
+def test_counter_delta_is_one_requests_counts_when_a_new_position_appears():
+    before = llamacpp.parse_metrics(metrics_text(12, 36, 11, [7, 4]))
+    after = llamacpp.parse_metrics(metrics_text(20, 60, 18, [10, 6, 2]))
+    assert llamacpp.counter_delta(before, after) == {
+        "num_drafts": 8, "num_draft_tokens": 24, "num_accepted_tokens": 7, "num_accepted_tokens_per_pos": [3, 2, 2]}
+
+
+def test_counter_delta_of_the_first_request_is_its_counts():
+    before = llamacpp.parse_metrics(metrics_text(0, 0, 0, []))
+    after = llamacpp.parse_metrics(metrics_text(5, 15, 6, [4, 2]))
+    assert llamacpp.counter_delta(before, after) == after
+
+
+def test_pooled_sums_requests_of_different_depths():
+    a = {"num_drafts": 3, "num_draft_tokens": 9, "num_accepted_tokens": 4, "num_accepted_tokens_per_pos": [3, 1]}
+    b = {"num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 4, "num_accepted_tokens_per_pos": [2, 1, 1]}
+    c = {"num_drafts": 1, "num_draft_tokens": 3, "num_accepted_tokens": 0, "num_accepted_tokens_per_pos": []}
+    assert ll.pooled([a, b, c]) == {"num_drafts": 6, "num_draft_tokens": 18, "num_accepted_tokens": 8,
+                                    "num_accepted_tokens_per_pos": [5, 2, 1]}
+
+
+# --------------------------------------------------------------------------- llama-server's flags
+
+def argv_of(settings: dict) -> list[str]:
+    return shlex.split(settings["command"])
+
+
+def value_after(argv: list[str], flag: str) -> str:
+    assert argv.count(flag) == 1, (flag, argv)
+    return argv[argv.index(flag) + 1]
+
+
+@pytest.mark.parametrize("method, spec_type", [("eagle3", "draft-eagle3"), ("draft", "draft-simple")])
+def test_a_head_is_served_with_its_drafter_and_k(method, spec_type):
+    s = cost.llamacpp_settings(method, methods()[method].engines, 5)
+    assert s["spec_type"] == spec_type
+    assert s["flags"] == ["--spec-type", spec_type, "--spec-draft-n-max", "5"]
+    argv = argv_of(s)
+    assert argv[:3] == ["llama-server", "-m", "<target>.gguf"]
+    assert value_after(argv, "-md") == "<head>.gguf"
+    assert value_after(argv, "--spec-type") == spec_type and value_after(argv, "--spec-draft-n-max") == "5"
+    assert value_after(argv, "--parallel") == "1"
+    assert not any(a.startswith("--spec-ngram") for a in argv)
+
+
+def test_ngram_is_ngram_simple_matching_ngram_max_and_copying_k_without_a_drafter():
+    s = cost.llamacpp_settings("ngram", NGRAM_ENGINES, 4, ngram_max=2)
+    assert s["spec_type"] == "ngram-simple"
+    argv = argv_of(s)
+    assert "-md" not in argv
+    assert value_after(argv, "--spec-type") == "ngram-simple"
+    assert value_after(argv, "--spec-ngram-simple-size-n") == "2"  # the lookup: ngram_max tokens
+    assert value_after(argv, "--spec-ngram-simple-size-m") == "4"  # the copy: K tokens
+    assert value_after(argv, "--spec-draft-n-max") == "4"
+    assert " ".join(s["flags"]) in s["command"]
+
+
+def test_ngram_first_mixes_ngram_simple_before_the_drafter():
+    s = cost.llamacpp_settings("eagle3", methods()["eagle3"].engines, 3, ngram_max=5, ngram_first=True)
+    assert s["spec_type"] == "ngram-simple,draft-eagle3"
+    argv = argv_of(s)
+    assert value_after(argv, "-md") == "<head>.gguf"
+    assert value_after(argv, "--spec-type") == "ngram-simple,draft-eagle3"
+    assert value_after(argv, "--spec-ngram-simple-size-n") == "5"
+    assert value_after(argv, "--spec-ngram-simple-size-m") == "3"
+    assert value_after(argv, "--spec-draft-n-max") == "3"
+
+
+@pytest.mark.parametrize("method", ["peagle", "dflash"])
+def test_a_method_llama_cpp_cannot_load_gets_no_command_and_a_note(method):
+    s = cost.llamacpp_settings(method, methods()[method].engines, 3)
+    assert s["spec_type"] is None and s["command"] is None
+    assert "llama.cpp" in s["note"] and repr(method) in s["note"] and "vLLM" in s["note"]
+    assert s["note"].endswith(".") and "\n" not in s["note"]
+
+
+def test_serving_settings_carry_the_llama_cpp_settings():
+    engines = methods()["eagle3"].engines
+    one_line = cost.serving_settings("eagle3", engines, "HuggingFaceTB/SmolLM2-135M-Instruct", "runs/head", 4,
+                                     ngram_max=2)
+    assert one_line["llamacpp"] == cost.llamacpp_settings("eagle3", engines, 4, 2)
+    card = cost.serving_settings("eagle3", engines, "HuggingFaceTB/SmolLM2-135M-Instruct", "runs/head", 4,
+                                 ngram_max=2, line_break=True)
+    assert "\n" in card["llamacpp"]["command"]
+    assert card["llamacpp"]["command"].replace(" \\\n    ", " ") == one_line["llamacpp"]["command"]
+    peagle = cost.serving_settings("peagle", methods()["peagle"].engines, "t", "runs/head", 4)
+    assert peagle["llamacpp"]["command"] is None and peagle["vllm"]["command"] is not None
+
+
+def test_server_command_is_one_slot_on_loopback():
+    flags = ["--spec-type", "draft-eagle3", "--spec-draft-n-max", "3"]
+    argv = llamacpp.server_command("t.gguf", "h.gguf", flags, port=18123, threads=2, ctx=512)
+    assert argv[0] == str(llamacpp.server_binary())
+    assert value_after(argv, "-m") == "t.gguf" and value_after(argv, "-md") == "h.gguf"
+    i = argv.index("--spec-type")
+    assert argv[i:i + len(flags)] == flags
+    assert (value_after(argv, "--parallel"), value_after(argv, "-c")) == ("1", "512")
+    assert (value_after(argv, "--host"), value_after(argv, "--port")) == ("127.0.0.1", "18123")
+    assert (value_after(argv, "-t"), value_after(argv, "-tb")) == ("2", "2")
+    plain = llamacpp.server_command("t.gguf", None, [])
+    assert "-md" not in plain and "--spec-type" not in plain and "-t" not in plain
+
+
+def help_options(text: str) -> tuple[set[str], list[str]]:
+    """llama-server --help: every option name, and the --spec-type choices."""
+    names: set[str] = set()
+    types: list[str] = []
+    for line in text.splitlines():
+        if not line.startswith("-"):
+            continue
+        head = re.split(r"\s{2,}(?=[^\s-])", line, maxsplit=1)[0]  # "-np,   --parallel N     number of ..."
+        names.update(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", head))
+        if head.startswith("--spec-type "):
+            types = head.split()[1].split(",")
+    return names, types
+
+
+def test_every_flag_we_pass_is_one_llama_server_knows(llamacpp_ready):
+    import subprocess
+
+    done = subprocess.run([str(llamacpp.server_binary()), "--help"], capture_output=True, text=True, timeout=60)
+    names, types = help_options(done.stdout + done.stderr)
+    assert "--spec-type" in names and types, done.stdout[-2000:]
+    settings = [cost.llamacpp_settings("eagle3", methods()["eagle3"].engines, 3),
+                cost.llamacpp_settings("draft", methods()["draft"].engines, 3),
+                cost.llamacpp_settings("ngram", NGRAM_ENGINES, 3),
+                cost.llamacpp_settings("eagle3", methods()["eagle3"].engines, 3, ngram_first=True)]
+    for s in settings:
+        flags = [a for a in s["flags"] if a.startswith("-")]
+        assert set(flags) <= names, (set(flags) - names, s)
+        assert set(s["spec_type"].split(",")) <= set(types), (s["spec_type"], types)
+    server = llamacpp.server_command("t.gguf", "h.gguf", [], threads=2) + ["--metrics"]
+    assert {a for a in server if a.startswith("-")} <= names
+
+
+# --------------------------------------------------------------------------- the llama.cpp eval runs
+
+def test_llamacpp_runs_of_a_head_are_its_ks_ngram_and_head_after_ngram():
+    drafter = SimpleNamespace(method="eagle3", make=lambda: None, engines=methods()["eagle3"].engines)
+    cfg = SimpleNamespace(ngram_max=2, sweep_k=[1, 3, 5])
+    runs = ll.llamacpp_runs(cfg, drafter, 3)
+    assert [r["name"] for r in runs] == [TARGET_ONLY, "eagle3", "eagle3@K=1", "eagle3@K=5", "ngram", "ngram+eagle3"]
+    by_name = {r["name"]: r for r in runs}
+    assert by_name[TARGET_ONLY]["flags"] == [] and not by_name[TARGET_ONLY]["draft"]
+    assert by_name["eagle3@K=5"]["flags"] == cost.llamacpp_settings("eagle3", drafter.engines, 5)["flags"]
+    assert not by_name["ngram"]["draft"] and "-md" not in by_name["ngram"]["flags"]
+    assert by_name["ngram+eagle3"]["draft"]
+    assert value_after(by_name["ngram+eagle3"]["flags"], "--spec-type") == "ngram-simple,draft-eagle3"
+    assert value_after(by_name["ngram+eagle3"]["flags"], "--spec-ngram-simple-size-n") == "2"
+
+
+def test_llamacpp_runs_refuse_a_head_llama_cpp_cannot_load():
+    drafter = SimpleNamespace(method="peagle", make=lambda: None, engines=methods()["peagle"].engines)
+    with pytest.raises(DraftsmithError, match=r"^engine=llamacpp: llama.cpp has no loader for 'peagle'"):
+        ll.llamacpp_runs(SimpleNamespace(ngram_max=3, sweep_k=[]), drafter, 3)
+
+
+def test_recommendation_is_the_fastest_run_with_its_command():
+    drafter = SimpleNamespace(method="eagle3", engines=methods()["eagle3"].engines, info={"path": "runs/h/final"})
+    section = {"target": "/models/target.gguf", "runs": {
+        "eagle3": {"k": 3, "speedup": 1.4}, "eagle3@K=5": {"k": 5, "speedup": 1.7},
+        "ngram": {"k": 3, "speedup": 1.1}, "ngram+eagle3": {"k": 3, "speedup": 1.5}}}
+    rec = ll.recommendation(section, drafter, SimpleNamespace(ngram_max=3))
+    assert (rec["drafter"], rec["k"], rec["measured_speedup"]) == ("eagle3@K=5", 5, 1.7)
+    assert rec["faster_than_target_only"] and rec["measured_by"] == "llamacpp"
+    command = rec["llamacpp"]["command"]
+    assert command.startswith("llama-server -m /models/target.gguf -md ") and "--spec-draft-n-max 5" in command
+    drafter_file = command.split(" -md ", 1)[1].split(" --spec-type ", 1)[0]  # export's output, by its command
+    assert drafter_file == "runs/h/final-gguf/eagle3.gguf"
+    assert rec["llamacpp"]["export_command"] == "draftsmith export head=runs/h/final format=gguf out=runs/h/final-gguf"
+    section["runs"]["ngram"]["speedup"] = 2.0
+    rec = ll.recommendation(section, drafter, SimpleNamespace(ngram_max=3))
+    assert rec["drafter"] == "ngram" and " -md " not in rec["llamacpp"]["command"]
+
+
+# --------------------------------------------------------------------------- not built
+
+def test_missing_build_names_the_binary_then_the_converter_and_the_build_command(tmp_path, monkeypatch):
+    monkeypatch.setenv(llamacpp.HOME_ENV, str(tmp_path))
+    binary = tmp_path / "build" / "bin" / "llama-server"
+    missing = llamacpp.llamacpp_missing()
+    assert missing is not None and str(binary) in missing and "bash scripts/setup.sh --engine" in missing
+    assert "\n" not in missing
+    binary.parent.mkdir(parents=True)
+    binary.write_text("")
+    missing = llamacpp.llamacpp_missing()
+    converter = tmp_path / "src" / "convert_hf_to_gguf.py"
+    assert missing is not None and str(converter) in missing and "bash scripts/setup.sh --engine" in missing
+    converter.parent.mkdir(parents=True)
+    converter.write_text("")
+    assert llamacpp.llamacpp_missing() is None
+
+
+def test_without_a_build_server_and_convert_refuse_with_that_sentence(tmp_path, monkeypatch):
+    monkeypatch.setenv(llamacpp.HOME_ENV, str(tmp_path / "empty"))
+    sentence = llamacpp.llamacpp_missing()
+    with pytest.raises(DraftsmithError) as e:
+        llamacpp.Server(str(tmp_path / "t.gguf"))
+    assert str(e.value) == f"{sentence}."
+    with pytest.raises(DraftsmithError) as e:
+        llamacpp.convert(tmp_path, tmp_path / "x.gguf")
+    assert str(e.value) == f"{sentence}."
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_the_default_home_is_the_cache_by_version(tmp_path, monkeypatch):
+    monkeypatch.delenv(llamacpp.HOME_ENV, raising=False)
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    assert llamacpp.llamacpp_home() == tmp_path / "llamacpp" / f"{llamacpp.VERSION}-{llamacpp.COMMIT}"
+
+
+# --------------------------------------------------------------------------- llama-server that cannot start
+
+def test_server_on_a_file_that_is_not_gguf_says_it_exited_with_its_log_and_leaves_no_process(llamacpp_ready,
+                                                                                              tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"this is not a GGUF file\x00\xff" * 64)
+    server = llamacpp.Server(str(bad), what="the test's server")
+    log = Path(server._log.name)
+    with pytest.raises(DraftsmithError) as e:
+        with server:
+            pytest.fail("llama-server started on a file that is not a GGUF")
+    msg = str(e.value)
+    assert msg.startswith("the test's server: llama-server exited with status "), msg
+    assert "its log ends: " in msg and str(bad) in msg.split("its log ends: ", 1)[1], msg  # llama-server's own words
+    assert server.proc is not None and server.proc.poll() is not None and server.proc.returncode != 0
+    if psutil is not None:
+        assert server.proc.pid not in {p.pid for p in psutil.Process().children(recursive=True)}
+    assert not log.exists()
+
+
+def test_a_failed_conversion_is_one_error_with_the_converters_words_and_leaves_no_file(llamacpp_ready, tmp_path):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"],
+                                                    "model_type": "nosuch"}))
+    out = tmp_path / "out.gguf"
+    with pytest.raises(DraftsmithError) as e:
+        llamacpp.convert(folder, out)
+    msg = str(e.value)
+    assert msg.startswith(f"llama.cpp's converter could not convert {folder} (exit "), msg
+    assert "NoSuchModelForCausalLM" in msg  # the converter's own words
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # neither the file nor its temporary name
+
+
+# --------------------------------------------------------------------------- export format=gguf
+
+def peagle_folder(target, folder: Path) -> Path:
+    from draftsmith.heads.peagle import PEagleHead, peagle_config_from_target
+    from draftsmith.heads.peagle_folders import save_peagle
+    from draftsmith.heads.vocab import build_vocab_map
+
+    torch.manual_seed(0)
+    head = PEagleHead(peagle_config_from_target(target.model.config, DRAFT_VOCAB, 1, target.vocab_size - 1, True))
+    head.init_from_target(target.model, *build_vocab_map(torch.randint(0, 1000, (target.vocab_size,)), DRAFT_VOCAB))
+    return save_peagle(head, folder, manifest_target=target.identity())
+
+
+def dflash_folder(target, folder: Path) -> Path:
+    from draftsmith.heads.dflash import DFlashHead, dflash_config_from_target
+    from draftsmith.heads.dflash_folders import save_dflash
+    from draftsmith.heads.vocab import build_vocab_map
+
+    torch.manual_seed(0)
+    head = DFlashHead(dflash_config_from_target(target.model.config, DRAFT_VOCAB, 1, 4, target.vocab_size - 1,
+                                                target.aux_layer_ids))
+    head.init_from_target(target.model, *build_vocab_map(torch.randint(0, 1000, (target.vocab_size,)), DRAFT_VOCAB))
+    return save_dflash(head, folder, manifest_target=target.identity())
+
+
+def eagle3_folder(target, folder: Path) -> Path:
+    from test_heads_checkpoint import random_head
+
+    from draftsmith.heads.eagle3_folders import save_eagle3
+
+    return save_eagle3(random_head(target), folder, manifest_target=target.identity())
+
+
+def draft_folder(target, folder: Path) -> Path:
+    from draftsmith.heads.draft import draft_from_target
+    from draftsmith.heads.draft_folders import save_draft
+
+    torch.manual_seed(0)
+    return save_draft(draft_from_target(target, [0, 1], None, False), folder, target.identity())
+
+
+@pytest.mark.parametrize("method, make", [("peagle", peagle_folder), ("dflash", dflash_folder)])
+def test_gguf_export_of_a_head_llama_cpp_cannot_load_is_refused_in_one_sentence(method, make, tiny_target, tmp_path,
+                                                                                monkeypatch, capsys):
+    monkeypatch.setenv(llamacpp.HOME_ENV, str(tmp_path / "no-build"))  # the method's reason, built or not
+    head = make(tiny_target, tmp_path / "trained")
+    assert method_for_folder(head).name == method
+    out = tmp_path / "out"
+    with pytest.raises(DraftsmithError) as e:
+        export(compose("export", [f"head={head}", "format=gguf", f"out={out}"]))
+    msg = str(e.value)
+    assert msg.startswith(f"format=gguf cannot be written for {method} heads: ") and "llama.cpp" in msg, msg
+    assert "vLLM" in msg and "not built" not in msg and "\n" not in msg and msg.endswith(".")
+    assert not out.exists() and not head.with_name(f"{head.name}-gguf").exists()
+    with pytest.raises(SystemExit) as e:
+        main(["export", f"head={head}", "format=gguf"])  # the default out, beside the head
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == [f"draftsmith export: error: {msg}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trained"]
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tiny_target, tmp_path_factory):
+    """A random 2-layer draft model of the tiny target (the GGUF read-back of real exports, whose tokenizer
+    llama.cpp's converter knows, is in tests/test_engine_llamacpp.py)."""
+    root = tmp_path_factory.mktemp("tiny-gguf")
+    return SimpleNamespace(root=root, draft=draft_folder(tiny_target, root / "draft"))
+
+
+def test_gguf_export_into_a_folder_of_other_files_is_refused(tiny_files, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(DraftsmithError) as e:
+        export(compose("export", [f"head={tiny_files.draft}", "format=gguf", f"out={out}"]))
+    assert str(e.value).startswith(f"out={out} already holds files draftsmith export did not write"), str(e.value)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+
+
+# --------------------------------------------------------------------------- eval engine=llamacpp options
+
+@pytest.mark.parametrize("overrides, words", [
+    (["temperature=0.7"], "engine=llamacpp measures greedy decoding: set temperature=0"),
+    (["drafting.mode=tree"], "engine=llamacpp drafts chains"),
+    (["drafting.stop_below=0.3"], "engine=llamacpp drafts a fixed K"),
+])
+def test_eval_engine_llamacpp_refuses_what_it_cannot_measure(overrides, words):
+    with pytest.raises(DraftsmithError) as e:
+        compose("eval", ["engine=llamacpp", *overrides])
+    msg = str(e.value)
+    assert msg.startswith(words) and "\n" not in msg and msg.endswith("."), msg
+
+
+def test_eval_llamacpp_target_is_one_of_its_choices():
+    with pytest.raises(DraftsmithError) as e:
+        compose("eval", ["engine=llamacpp", "llamacpp_target=q8"])
+    assert str(e.value) == f"llamacpp_target=q8 is not one of {', '.join(LLAMACPP_TARGETS)}."
+    for choice in LLAMACPP_TARGETS:
+        assert compose("eval", ["engine=llamacpp", f"llamacpp_target={choice}"]).llamacpp_target == choice
+
+
+def test_ngram_first_is_measured_in_llama_cpp_but_refused_for_vllm():
+    cfg = compose("eval", ["engine=llamacpp", "ngram_first=true", "head=runs/train/final"])
+    assert cfg.engine == "llamacpp" and cfg.ngram_first is True
+    with pytest.raises(DraftsmithError) as e:
+        compose("eval", ["engine=vllm", "ngram_first=true", "head=runs/train/final"])
+    msg = str(e.value)
+    assert msg.startswith("engine=vllm") and "ngram_first=false" in msg and "\n" not in msg, msg
+
+
+def test_report_reads_a_quantised_targets_agreement_as_a_reading_not_a_check():
+    from draftsmith.eval.report import llamacpp_lines
+
+    agree = {"equal": False, "tolerance": 0.02, "tau_builtin": 1.54, "per_position_builtin": [0.34, 0.14, 0.06]}
+    section = {"version": "v", "target": "/m/SmolLM2.Q4_1.gguf", "target_weights": "same", "threads": 2,
+               "target_only_identical_to_builtin": 0.3, "target_only_tokens_per_s": 100.0, "counting": "c",
+               "same_function_as_builtin": False,
+               "runs": {"eagle3": {"tau": 1.52, "per_position_acceptance": [0.34, 0.12, 0.06], "agreement": agree,
+                                   "greedy_identical_to_engine_target_only": 1.0, "speedup": 0.45}}}
+    row = next(line for line in llamacpp_lines({"llamacpp": section}) if line.startswith("| eagle3 "))
+    assert "no (quantised target: not expected)" in row and "**no**" not in row
+    section["same_function_as_builtin"] = True  # the F32 conversion: a miss is a defect, in bold
+    row = next(line for line in llamacpp_lines({"llamacpp": section}) if line.startswith("| eagle3 "))
+    assert "**no** (0.02)" in row
