@@ -132,7 +132,9 @@ def _sample(p: torch.Tensor, generator: Optional[torch.Generator]) -> int:
 
 
 def _uniform(generator: Optional[torch.Generator]) -> float:
-    return float(torch.rand((), generator=generator, dtype=torch.float64))
+    # on the generator's device: a CUDA generator refuses to fill a CPU tensor
+    device = generator.device if generator is not None else None
+    return float(torch.rand((), generator=generator, dtype=torch.float64, device=device))
 
 
 # ---- tree bookkeeping -----------------------------------------------------------------------

@@ -36,7 +36,7 @@ class ModelProposer:
         tokens, parents, qs = [], [], []  # per node: target id, parent node (-1 = root), q over the target vocab
         self._anc: list[list[int]] = []  # per node: its ancestors' indices and its own, root first
         frontier = [-1]  # the m nodes whose children this depth drafts (-1 = the root)
-        fscore = torch.zeros(1, dtype=torch.float64)  # (m,) their cumulative draft log-probs
+        fscore = torch.zeros(1, dtype=torch.float64, device=self._root_logits.device)  # (m,) their cumulative draft log-probs
         logits = self._root_logits[None]  # (m, Vo): row i drafts the children of frontier[i]
         for depth in range(1, drafting.num_speculative_tokens + 1):
             if sample:
