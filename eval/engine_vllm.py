@@ -80,13 +80,17 @@ def run_name(method: str, k: int, main_k: int) -> str:
 
 
 def engine_job(target_folder: str, prompts: list[list[int]], max_tokens: int, eos: list[int], runs: list[dict],
-               dtype: str = "float32", repeats: int = 1, warmup: int = 1) -> dict:
-    """vllm_worker.py's job: every prompt alone, greedy, `repeats` times (median), after `warmup` prompts."""
+               dtype: str = "float32", repeats: int = 1, warmup: int = 1, batch: bool = False) -> dict:
+    """vllm_worker.py's job: every prompt alone, greedy, `repeats` times (median), after `warmup` prompts; or, with
+    `batch` (the tests' counters-only jobs), every prompt in one call, with no time measured."""
+    if batch and (repeats != 1 or warmup != 0):
+        raise ValueError("a batch job measures no time: repeats=1 and warmup=0")
     longest = max(len(p) for p in prompts) + max_tokens
     k = max([r.get("k") or 0 for r in runs] + [0])
     return {"target": target_folder, "dtype": dtype, "max_model_len": longest + k + 64,
             "kv_cache_bytes": KV_CACHE_BYTES, "prompts": prompts, "max_tokens": int(max_tokens),
-            "stop_token_ids": list(eos), "repeats": int(repeats), "warmup": int(warmup), "runs": runs}
+            "stop_token_ids": list(eos), "repeats": int(repeats), "warmup": int(warmup), "batch": bool(batch),
+            "runs": runs}
 
 
 # --------------------------------------------------------------------------- counting as vLLM counts

@@ -4,14 +4,15 @@ This file is run by path with the engine's python (draftsmith.engine); it import
 library and vLLM, never draftsmith (whose venv pins another transformers). The job names a target folder,
 prompts as token ids and a list of runs (target-only or one `speculative_config` each); every run gets its
 own `LLM` (built one after the other in this process, so vLLM is imported once) and decodes every prompt
-one at a time, greedy, `repeats` times after `warmup` prompts. The result holds, per run: the tokens, the
+one at a time, greedy, `repeats` times after `warmup` prompts; a `batch` job (counters only: no repeats, no
+warm-up, no seconds) submits every prompt in one call, each request still verified on its own. The result holds, per run: the tokens, the
 seconds of each prompt (median of the repeats), vLLM's spec-decode counters pooled over every verification
 of the recorded decodes (`spec_decode_num_drafts`, `_num_draft_tokens`, `_num_accepted_tokens`,
 `_num_accepted_tokens_per_pos`), vLLM's per-request detail (`per_step_accepted` / `per_step_drafted`),
 whether it drafted in parallel, and, where vLLM refused the run, its exception as one line.
 
     job    {"target": folder, "dtype": "float32", "max_model_len": int, "kv_cache_bytes": int,
-            "prompts": [[ids]], "max_tokens": int, "stop_token_ids": [ids], "repeats": 1, "warmup": 1,
+            "prompts": [[ids]], "max_tokens": int, "stop_token_ids": [ids], "repeats": 1, "warmup": 1, "batch": false,
             "runs": [{"name": str, "speculative_config": dict | null, "model": folder (default: the target)}]}
     result {"vllm_version": str, "torch_version": str, "runs": {name: run result}}
 """
@@ -92,7 +93,8 @@ def build_llm(job: dict, run: dict):
 
     model, spec = run.get("model") or job["target"], run.get("speculative_config")
     kwargs = dict(model=model, dtype=job.get("dtype", "float32"), enforce_eager=True, seed=0,
-                  max_model_len=int(job["max_model_len"]), max_num_seqs=1, enable_prefix_caching=False,
+                  max_model_len=int(job["max_model_len"]), max_num_seqs=len(job["prompts"]) if job.get("batch") else 1,
+                  enable_prefix_caching=False,
                   disable_log_stats=False)
     if job.get("kv_cache_bytes"):
         kwargs["kv_cache_memory_bytes"] = int(job["kv_cache_bytes"])
@@ -104,11 +106,19 @@ def build_llm(job: dict, run: dict):
 
 
 def decode(llm, job: dict, prompts: list[list[int]], record: bool) -> tuple[list, list, list]:
-    """Each prompt alone (batch 1, as the built-in decoder): tokens, seconds, per-request detail."""
+    """Each prompt alone (batch 1, as the built-in decoder): tokens, seconds, per-request detail. A `batch` job
+    submits every prompt at once: the same tokens and counters (each request drafts and verifies on its own; fp32
+    greedy), and no seconds, since a prompt's time in a batch is not its time alone."""
     from vllm import SamplingParams, TokensPrompt
 
     params = SamplingParams(temperature=0.0, max_tokens=int(job["max_tokens"]),
                             stop_token_ids=list(job.get("stop_token_ids") or []), detokenize=False)
+    if job.get("batch"):
+        outs = llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts], params, use_tqdm=False)
+        completions = [out.outputs[0] for out in outs]
+        return ([list(c.token_ids) for c in completions], [None] * len(prompts),
+                [m.to_dict() if (m := getattr(c, "spec_decode_metrics", None)) is not None else None
+                 for c in completions])
     repeats = max(int(job.get("repeats", 1)), 1) if record else 1
     tokens, seconds, detail = [], [], []
     for ids in prompts:

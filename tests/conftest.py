@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
+import json
 import os
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +26,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     _threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     os.environ["OMP_NUM_THREADS"] = str(_threads)
     torch.set_num_threads(_threads)
+    # vLLM for CPU pins its OpenMP threads itself ("auto" may pick the same core in every worker): each worker's
+    # engine gets the worker's own cores
+    _first = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw")) * _threads % (os.cpu_count() or 1)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{_first}-{_first + _threads - 1}")
 
 
 @pytest.fixture(scope="session")
@@ -57,18 +65,46 @@ def one_thread():
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(items):
-    """Every test that needs the engine (the engine_ready fixture, directly or through another fixture) is marked
-    `engine`: `pytest -m "not slow and not engine"` is the fast tier, whatever a module remembered to mark.
+    """Every test that needs an engine (the engine_ready or llamacpp_ready fixture, directly or through another
+    fixture) is marked `engine`: `pytest -m "not slow and not engine"` is the fast tier, whatever a module
+    remembered to mark.
 
     Under `--dist loadgroup` a module's tests stay on one worker (its module-scoped setup, a training say, runs
-    once), and every engine test goes to one worker: the session's engine data and heads are made once, and two
-    vLLM engines never share the cores."""
+    once). The engine modules share the test run's data-gen, heads and built-in readings through an on-disk cache
+    (`made_once`), so they run on every worker side by side. Modules go out longest first (the engine ones, then the
+    slow ones, then the rest; pyproject's addopts turn off xdist's own reordering by test count), and the short
+    ones fill in at the end."""
     for item in items:
-        if "engine_ready" in getattr(item, "fixturenames", ()):
+        if {"engine_ready", "llamacpp_ready"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.engine)
-            item.add_marker(pytest.mark.xdist_group("engine"))
-        else:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))  # test ids end in @<group>
+        item.add_marker(pytest.mark.xdist_group(item.path.stem))  # test ids end in @<group>
+    engine_modules = {item.path for item in items if item.get_closest_marker("engine")}
+    slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (item.path not in engine_modules, item.path not in slow_modules))  # stable
+
+
+def shared_path(tmp_path_factory, name: str) -> Path:
+    """A path that every pytest-xdist worker of this test run sees: the run's base temp (a worker's own is a folder
+    in it), fresh for each run."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+
+
+def made_once(path: Path, make) -> Path:
+    """`path`, made by `make(path)` once per test run: the first worker to ask makes it while the others wait on its
+    lock, then read it. A make that failed leaves no `.done`: the next to ask starts again from nothing."""
+    from filelock import FileLock
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        done = Path(f"{path}.done")
+        if not done.exists():
+            if path.is_dir():
+                shutil.rmtree(path)
+            path.unlink(missing_ok=True)
+            make(path)
+            done.touch()
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -107,14 +143,15 @@ def engine_data(engine_ready, tmp_path_factory):
     """The engine tests' one data-gen output (16 self-written prompts of the embedded SmolLM2, fp32, 64 tokens) with
     the target's hidden states (EAGLE-3, P-EAGLE and DFlash train offline from them) and its top-k log-probs (the
     draft model's offline signal): every engine module trains its heads on it and decodes its prompts, so it is
-    made once per session. Read only."""
+    made once per test run, by whichever worker asks first. Read only."""
     from draftsmith.configs import compose
     from draftsmith.data_gen.run import run as data_gen
 
-    data = tmp_path_factory.mktemp("engine-data") / "data"
-    data_gen(compose("data_gen", ["target=smollm2", "target.dtype=float32", "prompts=self", "prompts.n=16",
-                                  "max_new_tokens=64", "hidden_states=true", "topk_logits=true", f"out={data}"]))
-    return data
+    def make(data: Path) -> None:
+        data_gen(compose("data_gen", ["target=smollm2", "target.dtype=float32", "prompts=self", "prompts.n=16",
+                                      "max_new_tokens=64", "hidden_states=true", "topk_logits=true", f"out={data}"]))
+
+    return made_once(shared_path(tmp_path_factory, "engine-data") / "data", make)
 
 
 # What the engine modules train on engine_data, by name: each head is trained once per session, offline (from the
@@ -138,20 +175,69 @@ ENGINE_HEADS = {
 @pytest.fixture(scope="session")
 def engine_head(engine_data, tmp_path_factory):
     """engine_head(name) -> the `final/` folder of ENGINE_HEADS[name] trained on engine_data: trained on first use,
-    then shared by every engine module of the session. Read only."""
+    by whichever worker asks first, then shared by every engine module of the test run. Read only."""
     from draftsmith.configs import compose
     from draftsmith.train.run import run as train
 
-    root = tmp_path_factory.mktemp("engine-heads")
-    done: dict[str, object] = {}
+    def head(name: str) -> Path:
+        def make(out: Path) -> None:
+            train(compose("train", ENGINE_TRAIN + ENGINE_HEADS[name] + [f"data={engine_data}", f"out={out}"]))
 
-    def head(name: str):
-        if name not in done:
-            train(compose("train", ENGINE_TRAIN + ENGINE_HEADS[name] + [f"data={engine_data}", f"out={root / name}"]))
-            done[name] = root / name / "final"
-        return done[name]
+        return made_once(shared_path(tmp_path_factory, "engine-heads") / name, make) / "final"
 
     return head
+
+
+# What every engine module decodes: ENGINE_PROMPTS of engine_data's prompts, greedy, fp32, K = ENGINE_K
+ENGINE_PROMPTS, ENGINE_K = 6, 3
+
+
+def builtin_decode(setup, proposer, method: str) -> list:
+    """Every prompt of an eval setup by one proposer (None: target-only), one Sample per turn, as eval's
+    decode_all counts them (without its comparison with target-only, which another file holds)."""
+    from draftsmith.eval import run as ev
+
+    return [ev.to_sample(prompt.category, [turn]) for prompt in setup.prompts
+            for turn in setup.decode(proposer, prompt, method)]
+
+
+def engine_eval_cfg(engine_data, max_tokens: int, out: Path):
+    """The eval config every engine module decodes with (head=ngram: the prompts do not depend on the head)."""
+    from draftsmith.configs import compose
+
+    return compose("eval", ["target=smollm2", "target.dtype=float32", "head=ngram", "prompts.source=holdout",
+                            f"prompts.path={engine_data}", f"prompts.holdout={ENGINE_PROMPTS}",
+                            f"max_new_tokens={max_tokens}", "repeats=1", "warmup_prompts=0", "progress=false",
+                            f"drafting.num_speculative_tokens={ENGINE_K}",
+                            "ngram_match=earliest",  # vLLM's n-gram rule (the default copies the latest)
+                            f"out={out}"])
+
+
+@pytest.fixture(scope="session")
+def builtin_samples(engine_data, engine_head, tmp_path_factory):
+    """builtin_samples(method, max_tokens) -> the built-in decoder's samples of the head ENGINE_HEADS[method] (or
+    target_only, or ngram with vLLM's earliest-match rule) on the engine modules' prompts: decoded once per test
+    run, by whichever worker asks first, and read back (JSON) by the rest. The engines' runs of each export are
+    compared with these: the trained head's own reading, before any export."""
+    from draftsmith.eval import run as ev
+    from draftsmith.eval.metrics import Sample
+
+    def samples(method: str, max_tokens: int) -> list[Sample]:
+        def make(path: Path) -> None:
+            cfg = engine_eval_cfg(engine_data, max_tokens, path.with_suffix(".eval"))
+            setup = ev.prepare(cfg)
+            proposer = None
+            if method == "ngram":
+                proposer = ev.ngram_proposer(cfg)
+            elif method != ev.TARGET_ONLY:  # the prompts were chosen above, as for every method
+                cfg.head = str(engine_head(method))
+                proposer = ev.load_drafter(cfg, setup.target, setup.runner.max_len).make()
+            path.write_text(json.dumps([dataclasses.asdict(s) for s in builtin_decode(setup, proposer, method)]))
+
+        path = made_once(shared_path(tmp_path_factory, "engine-builtin") / f"{method}-{max_tokens}.json", make)
+        return [Sample(**fields) for fields in json.loads(path.read_text())]
+
+    return samples
 
 
 # --------------------------------------------------------------------------- where the suite's minutes go

@@ -60,9 +60,9 @@ def test_ci_runs_the_readme_test_command_with_the_engine():
 
 @pytest.mark.slow  # a pytest run of its own, two workers
 def test_xdist_keeps_each_module_on_one_worker():
-    """conftest.py's xdist groups hold: a module's tests run on one worker (so do the engine tests, by the same
-    mark). pytest 9.2 made pytest-xdist 3.8's --dist loadgroup a silent no-op: the engine modules then ran on both
-    workers at once, each training the session's heads."""
+    """conftest.py's xdist groups hold: a module's tests run on one worker. pytest 9.2 made pytest-xdist 3.8's
+    --dist loadgroup a silent no-op: a module's tests then ran on both workers at once, each running the module's
+    setup (a training, say)."""
     result = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-v", "-p", "no:cacheprovider",
                              "tests/test_progress.py", "tests/test_methods.py"], cwd=ROOT, capture_output=True,
                             text=True, timeout=300)
@@ -100,35 +100,40 @@ def TokensPrompt(prompt_token_ids):
     return {"prompt_token_ids": prompt_token_ids}
 
 class _Metrics:
-    def __init__(self, per_step):
-        self.per_step = per_step
-    def to_dict(self):
-        return {"per_step_accepted": list(self.per_step)}
+    def __init__(self, per_step, call_size):
+        self.per_step, self.call_size = per_step, call_size
+    def to_dict(self):  # call_size: the stand-in's own, the number of prompts decoded in the same call
+        return {"per_step_accepted": list(self.per_step), "call_size": self.call_size}
 
 class LLM:
     counts = {"vllm:spec_decode_num_drafts": 0, "vllm:spec_decode_num_draft_tokens": 0,
               "vllm:spec_decode_num_accepted_tokens": 0}
     per_pos = [0, 0]
 
-    def __init__(self, model, speculative_config=None, **kw):
+    def __init__(self, model, speculative_config=None, max_num_seqs=1, **kw):
         if model == "refused":
             raise ValueError("this folder is\\nnot a model")
-        self.spec = speculative_config
+        self.spec, self.max_num_seqs = speculative_config, max_num_seqs
         sc = types.SimpleNamespace(method="eagle3", parallel_drafting=False, num_speculative_tokens=2)
         self.llm_engine = types.SimpleNamespace(vllm_config=types.SimpleNamespace(
             speculative_config=sc if speculative_config else None),
             engine_core=types.SimpleNamespace(shutdown=lambda: None))
 
     def generate(self, prompts, params, use_tqdm=False):
-        out = TOKENS[: params.max_tokens]
-        per_step = [1, 0]
-        if self.spec:  # two verifications with a draft of 2: accepted 1, then 0
-            LLM.counts["vllm:spec_decode_num_drafts"] += 2
-            LLM.counts["vllm:spec_decode_num_draft_tokens"] += 4
-            LLM.counts["vllm:spec_decode_num_accepted_tokens"] += 1
-            LLM.per_pos = [LLM.per_pos[0] + 1, LLM.per_pos[1]]
-        comp = types.SimpleNamespace(token_ids=out, spec_decode_metrics=_Metrics(per_step) if self.spec else None)
-        return [types.SimpleNamespace(outputs=[comp])]
+        if len(prompts) > self.max_num_seqs:
+            raise ValueError(f"{len(prompts)} prompts in one call, max_num_seqs={self.max_num_seqs}")
+        outs = []
+        for _ in prompts:
+            per_step = [1, 0]
+            if self.spec:  # two verifications with a draft of 2: accepted 1, then 0
+                LLM.counts["vllm:spec_decode_num_drafts"] += 2
+                LLM.counts["vllm:spec_decode_num_draft_tokens"] += 4
+                LLM.counts["vllm:spec_decode_num_accepted_tokens"] += 1
+                LLM.per_pos = [LLM.per_pos[0] + 1, LLM.per_pos[1]]
+            comp = types.SimpleNamespace(token_ids=TOKENS[: params.max_tokens],
+                                         spec_decode_metrics=_Metrics(per_step, len(prompts)) if self.spec else None)
+            outs.append(types.SimpleNamespace(outputs=[comp]))
+        return outs
 
     def get_metrics(self):
         from vllm.v1.metrics.reader import Counter, Vector
@@ -179,8 +184,30 @@ def test_worker_runs_a_job_and_records_refusals(standin_engine):
     # counters are read around the recorded decodes only (the warm-up is left out) and divided by the repeats
     assert spec["counters"] == {"num_drafts": 4, "num_draft_tokens": 8, "num_accepted_tokens": 2,
                                 "num_accepted_tokens_per_pos": [2, 0]}
-    assert spec["per_request"] == [{"per_step_accepted": [1, 0]}] * 2
+    assert spec["per_request"] == [{"per_step_accepted": [1, 0], "call_size": 1}] * 2  # each prompt alone
     assert not refused["ok"] and refused["error"] == "ValueError: this folder is not a model"
+
+
+def test_a_batch_job_decodes_every_prompt_in_one_call_and_times_nothing(standin_engine):
+    """The tests' counters-only jobs: every prompt in one generate call (vLLM schedules them together), the same
+    tokens and counters per prompt, and no seconds (a prompt's time in a batch is not its time alone)."""
+    prompts = [[1, 2], [3, 4, 5], [6]]
+    job = ev_engine.engine_job("target", prompts, 4, [2], [
+        {"name": "target_only", "speculative_config": None},
+        {"name": "eagle3", "k": 2,
+         "speculative_config": {"method": "eagle3", "model": "h", "num_speculative_tokens": 2}}],
+        warmup=0, batch=True)
+    result = engine.run_job(job, timeout_s=120)
+    base, spec = result["runs"]["target_only"], result["runs"]["eagle3"]
+    assert base["ok"] and spec["ok"], (base, spec)
+    assert base["tokens"] == spec["tokens"] == [[5, 6, 7, 8]] * 3
+    assert base["seconds"] == spec["seconds"] == [None] * 3
+    assert spec["per_request"] == [{"per_step_accepted": [1, 0], "call_size": 3}] * 3
+    assert spec["counters"] == {"num_drafts": 6, "num_draft_tokens": 12, "num_accepted_tokens": 3,
+                                "num_accepted_tokens_per_pos": [3, 0]}
+    for timed in ({"warmup": 1}, {"repeats": 2}):
+        with pytest.raises(ValueError, match="measures no time"):
+            ev_engine.engine_job("target", prompts, 4, [2], [], batch=True, **({"warmup": 0} | timed))
 
 
 def test_engine_that_crashes_is_one_sentence_with_its_log(tmp_path, monkeypatch):

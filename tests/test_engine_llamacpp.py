@@ -25,6 +25,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import ENGINE_K
+
 from draftsmith import engine, llamacpp
 from draftsmith.configs import compose
 from draftsmith.data_gen.target import smollm2_gguf_path
@@ -36,9 +38,8 @@ from draftsmith.methods import methods
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(3600)]
 
-K = 3
+K = ENGINE_K
 MAX_TOKENS = 48
-N_PROMPTS = 6
 COMMON = ["target=smollm2", "target.dtype=float32"]
 HEADS = ("eagle3", "draft")  # the methods llama.cpp serves from our folders
 BROKEN = ("eagle3_d2t_zeroed", "eagle3_aux_layers_shifted")
@@ -76,18 +77,10 @@ def ggufs(llamacpp_ready, engine_head, smollm2_target, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def measured(engine_data, engine_head, ggufs, tmp_path_factory):
-    """(built-in samples per method, llama.cpp's runs by name): the same prompts, greedy, fp32 / F32, K = 3."""
-    cfg = compose("eval", COMMON + ["head=ngram", "prompts.source=holdout", f"prompts.path={engine_data}",
-                                    f"prompts.holdout={N_PROMPTS}", f"max_new_tokens={MAX_TOKENS}", "repeats=1",
-                                    "warmup_prompts=0", "progress=false", f"drafting.num_speculative_tokens={K}",
-                                    f"out={tmp_path_factory.mktemp('eval')}"])
-    setup = ev.prepare(cfg)
-    proposers = {ev.TARGET_ONLY: None}
-    for method in HEADS:
-        cfg.head = str(engine_head(method))
-        proposers[method] = ev.load_drafter(cfg, setup.target, setup.runner.max_len).make()
-    samples, _ = ev.decode_all(setup, proposers, ev.Drafter("all", None))
+def measured(builtin_samples, ggufs):
+    """(built-in samples per method, llama.cpp's runs by name): the same prompts, greedy, fp32 / F32, K = 3 (the
+    built-in samples are the trained heads', conftest.py, shared with the vLLM module)."""
+    samples = {m: builtin_samples(m, MAX_TOKENS) for m in (TARGET_ONLY, *HEADS)}
     prompts = [s.prompt_ids for s in samples[TARGET_ONLY]]
     ctx = max(len(p) for p in prompts) + MAX_TOKENS + 64
 

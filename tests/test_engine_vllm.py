@@ -29,13 +29,14 @@ from draftsmith.configs import compose
 from draftsmith.eval import engine_vllm as ev_engine
 from draftsmith.eval import run as ev
 from draftsmith.export import run as export
+from conftest import ENGINE_K, ENGINE_PROMPTS
 from test_eval_cost import engines_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(5400)]
 
-K = 3
+K = ENGINE_K
 MAX_TOKENS = 48
-N_PROMPTS = 6
+N_PROMPTS = ENGINE_PROMPTS
 COMMON = ["target=smollm2", "target.dtype=float32"]
 # what each working export is compared with: its run in the engine -> the built-in decoder's method
 WORKING = {"eagle3": "eagle3", "speculators": "eagle3", "peagle": "peagle", "peagle_speculators": "peagle",
@@ -86,15 +87,19 @@ def broken_exports(x: dict[str, Path], root: Path) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def exports(engine_data, engine_head, tmp_path_factory, smollm2_target):
-    """Every export of the session's heads (conftest.py: trained once, offline) + broken copies; name -> folder."""
+    """Every export of the test run's heads (conftest.py: trained once, offline) + broken copies; name -> folder.
+    In float32: the function the built-in decoder computes with the trained head, so every verification can be
+    asked to match. The default bfloat16 export of the EAGLE-3 head rides along (`eagle3_bf16`)."""
     root = tmp_path_factory.mktemp("engine")
     verifier = ev_engine.served_target(smollm2_target)  # a loadable verifier: vLLM serves the speculators folder
     x = {}
     for name, head, fmt in [("eagle3", "eagle3", "eagle3"), ("speculators", "eagle3", "speculators"),
                             ("peagle", "peagle", "peagle"), ("peagle_speculators", "peagle", "speculators"),
                             ("draft", "draft", "hf")]:
-        x[name] = export(compose("export", [f"head={engine_head(head)}", f"format={fmt}",
+        x[name] = export(compose("export", [f"head={engine_head(head)}", f"format={fmt}", "dtype=float32",
                                             f"out={root / ('x-' + name)}", f"verifier={verifier}"]))
+    x["eagle3_bf16"] = export(compose("export", [f"head={engine_head('eagle3')}", "format=eagle3",
+                                                 f"out={root / 'x-eagle3-bf16'}"]))
     return {"data": engine_data, **x, **broken_exports(x, root / "broken")}
 
 
@@ -112,27 +117,19 @@ def engine_run(name: str, folder, k: int = K, parallel: bool | None = None) -> d
 
 
 @pytest.fixture(scope="module")
-def measured(exports, tmp_path_factory):
-    """(built-in samples per method, the engine's result): the same prompts, greedy, fp32, K = 3."""
-    cfg = compose("eval", COMMON + ["head=ngram", "prompts.source=holdout", f"prompts.path={exports['data']}",
-                                    f"prompts.holdout={N_PROMPTS}", f"max_new_tokens={MAX_TOKENS}", "repeats=1",
-                                    "warmup_prompts=0", "progress=false", f"drafting.num_speculative_tokens={K}",
-                                    "ngram_match=earliest",  # vLLM's n-gram rule (the default copies the latest)
-                                    f"out={tmp_path_factory.mktemp('eval')}"])
-    setup = ev.prepare(cfg)
-    proposers = {ev.TARGET_ONLY: None, "ngram": ev.ngram_proposer(cfg)}
-    for method in ("eagle3", "peagle", "draft"):
-        cfg.head = str(exports[method])
-        drafter = ev.load_drafter(cfg, setup.target, setup.runner.max_len)
-        proposers[method] = drafter.make()
-    samples, _ = ev.decode_all(setup, proposers, ev.Drafter("all", None))
+def measured(exports, builtin_samples, smollm2_target):
+    """(built-in samples per method, the engine's result): the same prompts, greedy, fp32, K = 3. The built-in
+    samples are the trained heads' (conftest.py, shared with the llama.cpp module); vLLM runs their exports."""
+    samples = {m: builtin_samples(m, MAX_TOKENS) for m in (ev.TARGET_ONLY, "ngram", "eagle3", "peagle", "draft")}
     runs = [{"name": ev_engine.TARGET_ONLY, "speculative_config": None}]
     runs += [engine_run(name, exports.get(name)) for name in WORKING]
     runs += [engine_run(name, exports[name]) for name in BROKEN]
     runs.append(engine_run("peagle_without_parallel_drafting", exports["peagle"], parallel=False))
-    job = ev_engine.engine_job(ev_engine.served_target(setup.target), [s.prompt_ids for s in samples["target_only"]],
-                               MAX_TOKENS, setup.target.eos_token_ids, runs,
-                               warmup=0)  # counters only: no untimed warm-up prompt
+    runs.append(engine_run("eagle3_bf16", exports["eagle3_bf16"]))
+    job = ev_engine.engine_job(ev_engine.served_target(smollm2_target),
+                               [s.prompt_ids for s in samples[ev.TARGET_ONLY]], MAX_TOKENS,
+                               smollm2_target.eos_token_ids, runs,
+                               warmup=0, batch=True)  # counters only: every prompt in one call, nothing timed
     result = engine.run_job(job, timeout_s=3600)
     return samples, result
 
@@ -169,6 +166,18 @@ def test_broken_export_fails_tau_equality(measured, name):
     agree = ev_engine.agreement(samples[BROKEN[name]], run, K)
     assert not agree["equal"], agree
     assert run["tokens"] == result["runs"][ev_engine.TARGET_ONLY]["tokens"]  # still lossless: only slower
+
+
+def test_default_bf16_export_in_engine(measured):
+    """The export users get by default (bfloat16 weights; vLLM computes in fp32 here): loads, lossless, and its τ
+    within TOLERANCE of the built-in decoder's on the fp32 head. A verification may differ where bf16 rounding
+    flips a near-tie in the draft, so step identity is the float32 exports' check."""
+    samples, result = measured
+    run = result["runs"]["eagle3_bf16"]
+    assert run["ok"], f"vLLM refused eagle3_bf16: {run.get('error')}"
+    assert run["tokens"] == result["runs"][ev_engine.TARGET_ONLY]["tokens"]
+    agree = ev_engine.agreement(samples["eagle3"], run, K)
+    assert agree["max_abs_delta"] <= agree["tolerance"], agree
 
 
 def test_peagle_without_parallel_drafting_is_caught(measured):

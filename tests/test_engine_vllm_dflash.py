@@ -2,9 +2,9 @@
 method dflash; the speculators format is exported, not decoded: see WORKING), decodes the same prompts greedily in fp32, and
 measures what the built-in decoder measures.
 
-Setup as tests/test_engine_vllm.py, for DFlash alone: the session's data-gen and DFlash head (conftest.py),
+Setup as tests/test_engine_vllm.py, for DFlash alone: the test run's data-gen and DFlash head (conftest.py),
 both exports and deliberately broken copies, the built-in decoder on 6 of the training prompts, then ONE vLLM
-worker process that builds one `LLM` per run. Without the engine venv these tests skip with "vLLM not installed
+worker process that builds one `LLM` per run and decodes the prompts together (counters only). Without the engine venv these tests skip with "vLLM not installed
 (...)", and fail where DRAFTSMITH_REQUIRE_ENGINE=1.
 
 Asserted, for each working export: vLLM's output is token-identical to vLLM target-only and to draftsmith's
@@ -15,9 +15,7 @@ vLLM for CPU (0.32.0) computes the 2-layer drafter otherwise than its own contra
 layer 0's k_norm to the context keys of every layer (vllm_worker.grouped_rms_norm_ok; NOTES-issue22.md measured
 drafter logits 0.04-0.10 apart at every cycle because of it, 2e-5 with it emulated). Where the worker's probe finds
 that defect, the built-in decoder is compared with the defect emulated (`context_keys_normed_by_layer_0`, here in the
-test, never in draftsmith), so the check still asks for step-identical verifications; the plain built-in decoder's
-agreement is printed beside it. Each
-broken copy (target layers shifted by one; the mask token wrong) must fail the τ check while staying lossless.
+test, never in draftsmith), so the check still asks for step-identical verifications. Each broken copy (target layers shifted by one; the mask token wrong) must fail the τ check while staying lossless.
 """
 
 from __future__ import annotations
@@ -25,7 +23,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import pytest
-from test_engine_vllm import COMMON, N_PROMPTS, edited_copy
+from conftest import builtin_decode, engine_eval_cfg
+from test_engine_vllm import edited_copy
 
 from draftsmith import engine
 from draftsmith.configs import compose
@@ -63,8 +62,10 @@ def exports(engine_data, engine_head, tmp_path_factory, smollm2_target):
     data = engine_data  # conftest.py: made once per session, read only
     verifier = ev_engine.served_target(smollm2_target)
     head = engine_head("dflash")
-    x = {"dflash": export(compose("export", [f"head={head}", "format=dflash", f"out={root / 'x-dflash'}"])),
-         "dflash_speculators": export(compose("export", [f"head={head}", "format=speculators", f"verifier={verifier}",
+    x = {"dflash": export(compose("export", [f"head={head}", "format=dflash", "dtype=float32",
+                                            f"out={root / 'x-dflash'}"])),
+         "dflash_speculators": export(compose("export", [f"head={head}", "format=speculators", "dtype=float32",
+                                                         f"verifier={verifier}",
                                                          f"num_speculative_tokens={K}", f"out={root / 'x-spec'}"]))}
     config = json.loads((x["dflash"] / "config.json").read_text())
     shifted = [i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
@@ -113,30 +114,30 @@ def context_keys_normed_by_layer_0():
         dflash_head.DFlashAttention.keys_values, dflash_head.DFlashHead.trunk = keys_values, trunk
 
 
-def builtin_as_engine(samples: dict, result: dict) -> list:
-    """The built-in samples that compute what this vLLM computes (see the module docstring)."""
-    return samples["dflash_cpu_kernel"] if result.get("grouped_rms_norm_ok") is False else samples["dflash"]
-
-
 @pytest.fixture(scope="module")
-def measured(exports, tmp_path_factory):
-    """(built-in samples, the engine's result): the same prompts, greedy, fp32, K = 3."""
-    cfg = compose("eval", COMMON + [f"head={exports['dflash']}", "prompts.source=holdout",
-                                    f"prompts.path={exports['data']}", f"prompts.holdout={N_PROMPTS}",
-                                    f"max_new_tokens={MAX_TOKENS}", "repeats=1", "warmup_prompts=0", "progress=false",
-                                    f"drafting.num_speculative_tokens={K}", f"out={tmp_path_factory.mktemp('eval')}"])
-    setup = ev.prepare(cfg)
-    drafter = ev.load_drafter(cfg, setup.target, setup.runner.max_len)
-    samples, _ = ev.decode_all(setup, {ev.TARGET_ONLY: None, "dflash": drafter.make()}, ev.Drafter("all", None))
-    with context_keys_normed_by_layer_0():
-        emulated, _ = ev.decode_all(setup, {ev.TARGET_ONLY: None, "dflash": drafter.make()}, ev.Drafter("all", None))
-    samples["dflash_cpu_kernel"] = emulated["dflash"]
+def measured(exports, engine_head, builtin_samples, smollm2_target, tmp_path_factory):
+    """(built-in samples, the engine's result): the same prompts, greedy, fp32, K = 3. The built-in DFlash samples
+    are the ones that compute what this vLLM computes (see the module docstring): the trained head's own
+    (conftest.py), or, where the worker's probe found the k_norm defect, the head with the defect emulated."""
+    samples = {ev.TARGET_ONLY: builtin_samples(ev.TARGET_ONLY, MAX_TOKENS)}
     runs = [{"name": ev_engine.TARGET_ONLY, "speculative_config": None}]
     runs += [engine_run(name, exports[name]) for name in WORKING + BROKEN]
-    job = ev_engine.engine_job(ev_engine.served_target(setup.target), [s.prompt_ids for s in samples["target_only"]],
-                               MAX_TOKENS, setup.target.eos_token_ids, runs,
-                               warmup=0)  # counters only: no untimed warm-up prompt
-    return samples, engine.run_job(job, timeout_s=3600)
+    job = ev_engine.engine_job(ev_engine.served_target(smollm2_target),
+                               [s.prompt_ids for s in samples[ev.TARGET_ONLY]], MAX_TOKENS,
+                               smollm2_target.eos_token_ids, runs,
+                               warmup=0, batch=True)  # counters only: every prompt in one call, nothing timed
+    result = engine.run_job(job, timeout_s=3600)
+    if result.get("grouped_rms_norm_ok") is False:
+        cfg = engine_eval_cfg(exports["data"], MAX_TOKENS, tmp_path_factory.mktemp("eval"))
+        setup = ev.prepare(cfg)
+        cfg.head = str(engine_head("dflash"))
+        drafter = ev.load_drafter(cfg, setup.target, setup.runner.max_len)
+        with context_keys_normed_by_layer_0():
+            samples["dflash"] = builtin_decode(setup, drafter.make(), "dflash")
+        assert [s.prompt_ids for s in samples["dflash"]] == [s.prompt_ids for s in samples[ev.TARGET_ONLY]]
+    else:
+        samples["dflash"] = builtin_samples("dflash", MAX_TOKENS)
+    return samples, result
 
 
 @pytest.mark.parametrize("name", WORKING)
@@ -147,9 +148,8 @@ def test_dflash_export_in_engine(measured, name):
     assert base["ok"], base.get("error")
     assert run["ok"], f"vLLM refused {name}: {run.get('error')}"
     assert run["tokens"] == base["tokens"] == [s.tokens for s in samples["target_only"]]
-    print(name, "grouped_rms_norm_ok", result.get("grouped_rms_norm_ok"),
-          "plain built-in", ev_engine.agreement(samples["dflash"], run, K))
-    agree = ev_engine.agreement(builtin_as_engine(samples, result), run, K)
+    print(name, "grouped_rms_norm_ok", result.get("grouped_rms_norm_ok"))
+    agree = ev_engine.agreement(samples["dflash"], run, K)
     print(name, agree)
     assert agree["equal"], agree
     assert agree["steps_identical_fraction"] == 1.0, agree
@@ -161,7 +161,7 @@ def test_broken_dflash_export_fails_tau_equality(measured, name):
     samples, result = measured
     run = result["runs"][name]
     assert run["ok"], f"vLLM refused {name}: {run.get('error')}"
-    agree = ev_engine.agreement(builtin_as_engine(samples, result), run, K)
+    agree = ev_engine.agreement(samples["dflash"], run, K)
     print(name, agree)
     assert not agree["equal"], agree
     assert run["tokens"] == result["runs"][ev_engine.TARGET_ONLY]["tokens"]  # still lossless: only slower

@@ -21,7 +21,7 @@ import json
 
 import pytest
 from safetensors import safe_open
-from test_engine_vllm import COMMON, K, N_PROMPTS, edited_copy, engine_run
+from test_engine_vllm import K, edited_copy, engine_run
 
 from draftsmith import engine
 from draftsmith.configs import compose
@@ -46,7 +46,8 @@ def exports(engine_data, engine_head, tmp_path_factory):
     broken copy)."""
     root = tmp_path_factory.mktemp("engine-eagle31")
     data = engine_data  # conftest.py: made once per session, read only
-    x = export(compose("export", [f"head={engine_head('eagle3_31')}", "format=eagle3", f"out={root / 'x'}"]))
+    x = export(compose("export", [f"head={engine_head('eagle3_31')}", "format=eagle3", "dtype=float32",
+                                  f"out={root / 'x'}"]))
     return {"data": data, WORKING: x, BROKEN: edited_copy(x, root / "broken", drop=("norm_output",))}
 
 
@@ -59,21 +60,16 @@ def test_the_export_carries_the_norms(exports):
 
 
 @pytest.fixture(scope="module")
-def measured(exports, tmp_path_factory):
-    """(built-in samples, the engine's result): the same prompts, greedy, fp32, K = 3."""
-    cfg = compose("eval", COMMON + [f"head={exports[WORKING]}", "prompts.source=holdout",
-                                    f"prompts.path={exports['data']}", f"prompts.holdout={N_PROMPTS}",
-                                    f"max_new_tokens={MAX_TOKENS}", "repeats=1", "warmup_prompts=0", "progress=false",
-                                    f"drafting.num_speculative_tokens={K}", f"out={tmp_path_factory.mktemp('eval')}"])
-    setup = ev.prepare(cfg)
-    drafter = ev.load_drafter(cfg, setup.target, setup.runner.max_len)
-    assert drafter.make is not None
-    samples, _ = ev.decode_all(setup, {ev.TARGET_ONLY: None, WORKING: drafter.make()}, ev.Drafter("all", None))
+def measured(exports, builtin_samples, smollm2_target):
+    """(built-in samples, the engine's result): the same prompts, greedy, fp32, K = 3 (the built-in samples are the
+    trained head's, conftest.py)."""
+    samples = {m: builtin_samples(m, MAX_TOKENS) for m in (ev.TARGET_ONLY, WORKING)}
     runs = [{"name": ev_engine.TARGET_ONLY, "speculative_config": None}]
     runs += [engine_run(name, exports[name]) for name in (WORKING, BROKEN)]  # served as method eagle3
-    job = ev_engine.engine_job(ev_engine.served_target(setup.target), [s.prompt_ids for s in samples["target_only"]],
-                               MAX_TOKENS, setup.target.eos_token_ids, runs,
-                               warmup=0)  # counters only: no untimed warm-up prompt
+    job = ev_engine.engine_job(ev_engine.served_target(smollm2_target),
+                               [s.prompt_ids for s in samples[ev.TARGET_ONLY]], MAX_TOKENS,
+                               smollm2_target.eos_token_ids, runs,
+                               warmup=0, batch=True)  # counters only: every prompt in one call, nothing timed
     return samples, engine.run_job(job, timeout_s=3600)
 
 
