@@ -5,14 +5,15 @@ library and vLLM, never draftsmith (whose venv pins another transformers). The j
 prompts as token ids and a list of runs (target-only or one `speculative_config` each); every run gets its
 own `LLM` (built one after the other in this process, so vLLM is imported once) and decodes every prompt
 one at a time, greedy, `repeats` times after `warmup` prompts; a `batch` job (counters only: no repeats, no
-warm-up, no seconds) submits every prompt in one call, each request still verified on its own. The result holds, per run: the tokens, the
-seconds of each prompt (median of the repeats), vLLM's spec-decode counters pooled over every verification
-of the recorded decodes (`spec_decode_num_drafts`, `_num_draft_tokens`, `_num_accepted_tokens`,
+warm-up, no seconds) submits every prompt in one call, each request still verified on its own. The result holds,
+per run: the tokens, the seconds of each prompt (median of the repeats), vLLM's spec-decode counters pooled over
+every verification of the recorded decodes (`spec_decode_num_drafts`, `_num_draft_tokens`, `_num_accepted_tokens`,
 `_num_accepted_tokens_per_pos`), vLLM's per-request detail (`per_step_accepted` / `per_step_drafted`),
 whether it drafted in parallel, and, where vLLM refused the run, its exception as one line.
 
     job    {"target": folder, "dtype": "float32", "max_model_len": int, "kv_cache_bytes": int,
-            "prompts": [[ids]], "max_tokens": int, "stop_token_ids": [ids], "repeats": 1, "warmup": 1, "batch": false,
+            "prompts": [[ids]], "max_tokens": int, "stop_token_ids": [ids], "repeats": 1, "warmup": 1,
+            "batch": false,
             "runs": [{"name": str, "speculative_config": dict | null, "model": folder (default: the target)}]}
     result {"vllm_version": str, "torch_version": str, "runs": {name: run result}}
 """
@@ -93,9 +94,9 @@ def build_llm(job: dict, run: dict):
 
     model, spec = run.get("model") or job["target"], run.get("speculative_config")
     kwargs = dict(model=model, dtype=job.get("dtype", "float32"), enforce_eager=True, seed=0,
-                  max_model_len=int(job["max_model_len"]), max_num_seqs=len(job["prompts"]) if job.get("batch") else 1,
-                  enable_prefix_caching=False,
-                  disable_log_stats=False)
+                  max_model_len=int(job["max_model_len"]),
+                  max_num_seqs=len(job["prompts"]) if job.get("batch") else 1,  # a batch job: every prompt at once
+                  enable_prefix_caching=False, disable_log_stats=False)
     if job.get("kv_cache_bytes"):
         kwargs["kv_cache_memory_bytes"] = int(job["kv_cache_bytes"])
     if spec:

@@ -192,47 +192,43 @@ def engine_head(engine_data, tmp_path_factory):
 ENGINE_PROMPTS, ENGINE_K = 6, 3
 
 
-def builtin_decode(setup, proposer, method: str) -> list:
-    """Every prompt of an eval setup by one proposer (None: target-only), one Sample per turn, as eval's
-    decode_all counts them (without its comparison with target-only, which another file holds)."""
+def builtin_decode(engine_data, method: str, head, max_tokens: int, out: Path) -> list:
+    """The built-in decoder on the engine modules' prompts: `method` (target_only, ngram with vLLM's earliest-match
+    rule, or a head's method with its `head` folder), one Sample per turn, counted as eval's decode_all counts them
+    (without its comparison with target-only, which another reading holds)."""
+    from draftsmith.configs import compose
     from draftsmith.eval import run as ev
 
+    cfg = compose("eval", ["target=smollm2", "target.dtype=float32", "head=ngram", "prompts.source=holdout",
+                           f"prompts.path={engine_data}", f"prompts.holdout={ENGINE_PROMPTS}",
+                           f"max_new_tokens={max_tokens}", "repeats=1", "warmup_prompts=0", "progress=false",
+                           f"drafting.num_speculative_tokens={ENGINE_K}",
+                           "ngram_match=earliest",  # vLLM's n-gram rule (the default copies the latest)
+                           f"out={out}"])
+    setup = ev.prepare(cfg)  # head=ngram: the prompts are chosen alike for every method
+    proposer = None
+    if method == "ngram":
+        proposer = ev.ngram_proposer(cfg)
+    elif method != ev.TARGET_ONLY:
+        cfg.head = str(head)
+        proposer = ev.load_drafter(cfg, setup.target, setup.runner.max_len).make()
     return [ev.to_sample(prompt.category, [turn]) for prompt in setup.prompts
             for turn in setup.decode(proposer, prompt, method)]
 
 
-def engine_eval_cfg(engine_data, max_tokens: int, out: Path):
-    """The eval config every engine module decodes with (head=ngram: the prompts do not depend on the head)."""
-    from draftsmith.configs import compose
-
-    return compose("eval", ["target=smollm2", "target.dtype=float32", "head=ngram", "prompts.source=holdout",
-                            f"prompts.path={engine_data}", f"prompts.holdout={ENGINE_PROMPTS}",
-                            f"max_new_tokens={max_tokens}", "repeats=1", "warmup_prompts=0", "progress=false",
-                            f"drafting.num_speculative_tokens={ENGINE_K}",
-                            "ngram_match=earliest",  # vLLM's n-gram rule (the default copies the latest)
-                            f"out={out}"])
-
-
 @pytest.fixture(scope="session")
 def builtin_samples(engine_data, engine_head, tmp_path_factory):
-    """builtin_samples(method, max_tokens) -> the built-in decoder's samples of the head ENGINE_HEADS[method] (or
-    target_only, or ngram with vLLM's earliest-match rule) on the engine modules' prompts: decoded once per test
-    run, by whichever worker asks first, and read back (JSON) by the rest. The engines' runs of each export are
-    compared with these: the trained head's own reading, before any export."""
+    """builtin_samples(method, max_tokens) -> builtin_decode of the head ENGINE_HEADS[method] (or target_only, or
+    ngram): decoded once per test run, by whichever worker asks first, and read back (JSON) by the rest. The
+    engines' runs of each export are compared with these: the trained head's own reading, before any export."""
     from draftsmith.eval import run as ev
     from draftsmith.eval.metrics import Sample
 
     def samples(method: str, max_tokens: int) -> list[Sample]:
         def make(path: Path) -> None:
-            cfg = engine_eval_cfg(engine_data, max_tokens, path.with_suffix(".eval"))
-            setup = ev.prepare(cfg)
-            proposer = None
-            if method == "ngram":
-                proposer = ev.ngram_proposer(cfg)
-            elif method != ev.TARGET_ONLY:  # the prompts were chosen above, as for every method
-                cfg.head = str(engine_head(method))
-                proposer = ev.load_drafter(cfg, setup.target, setup.runner.max_len).make()
-            path.write_text(json.dumps([dataclasses.asdict(s) for s in builtin_decode(setup, proposer, method)]))
+            head = None if method in (ev.TARGET_ONLY, "ngram") else engine_head(method)
+            decoded = builtin_decode(engine_data, method, head, max_tokens, path.with_suffix(".eval"))
+            path.write_text(json.dumps([dataclasses.asdict(s) for s in decoded]))
 
         path = made_once(shared_path(tmp_path_factory, "engine-builtin") / f"{method}-{max_tokens}.json", make)
         return [Sample(**fields) for fields in json.loads(path.read_text())]

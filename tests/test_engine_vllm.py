@@ -121,17 +121,21 @@ def measured(exports, builtin_samples, smollm2_target):
     """(built-in samples per method, the engine's result): the same prompts, greedy, fp32, K = 3. The built-in
     samples are the trained heads' (conftest.py, shared with the llama.cpp module); vLLM runs their exports."""
     samples = {m: builtin_samples(m, MAX_TOKENS) for m in (ev.TARGET_ONLY, "ngram", "eagle3", "peagle", "draft")}
-    runs = [{"name": ev_engine.TARGET_ONLY, "speculative_config": None}]
-    runs += [engine_run(name, exports.get(name)) for name in WORKING]
+    runs = [engine_run(name, exports.get(name)) for name in WORKING]
     runs += [engine_run(name, exports[name]) for name in BROKEN]
     runs.append(engine_run("peagle_without_parallel_drafting", exports["peagle"], parallel=False))
     runs.append(engine_run("eagle3_bf16", exports["eagle3_bf16"]))
-    job = ev_engine.engine_job(ev_engine.served_target(smollm2_target),
-                               [s.prompt_ids for s in samples[ev.TARGET_ONLY]], MAX_TOKENS,
-                               smollm2_target.eos_token_ids, runs,
-                               warmup=0, batch=True)  # counters only: every prompt in one call, nothing timed
-    result = engine.run_job(job, timeout_s=3600)
-    return samples, result
+    return samples, counters_job(smollm2_target, samples, MAX_TOKENS, runs)
+
+
+def counters_job(target, samples: dict, max_tokens: int, runs: list[dict]) -> dict:
+    """The engine's result for target-only + `runs` on the prompts of the built-in target-only samples: greedy,
+    fp32, every prompt in one call (counters only: nothing timed, no warm-up)."""
+    job = ev_engine.engine_job(ev_engine.served_target(target), [s.prompt_ids for s in samples[ev.TARGET_ONLY]],
+                               max_tokens, target.eos_token_ids,
+                               [{"name": ev_engine.TARGET_ONLY, "speculative_config": None}] + runs,
+                               warmup=0, batch=True)
+    return engine.run_job(job, timeout_s=3600)
 
 
 def test_target_only_identical(measured):

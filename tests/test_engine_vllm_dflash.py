@@ -4,8 +4,8 @@ measures what the built-in decoder measures.
 
 Setup as tests/test_engine_vllm.py, for DFlash alone: the test run's data-gen and DFlash head (conftest.py),
 both exports and deliberately broken copies, the built-in decoder on 6 of the training prompts, then ONE vLLM
-worker process that builds one `LLM` per run and decodes the prompts together (counters only). Without the engine venv these tests skip with "vLLM not installed
-(...)", and fail where DRAFTSMITH_REQUIRE_ENGINE=1.
+worker process that builds one `LLM` per run and decodes the prompts together (counters only). Without the engine
+venv these tests skip with "vLLM not installed (...)", and fail where DRAFTSMITH_REQUIRE_ENGINE=1.
 
 Asserted, for each working export: vLLM's output is token-identical to vLLM target-only and to draftsmith's
 target-only; vLLM's τ and per-position acceptance equal the built-in decoder's within eval/engine_vllm.py's
@@ -15,7 +15,8 @@ vLLM for CPU (0.32.0) computes the 2-layer drafter otherwise than its own contra
 layer 0's k_norm to the context keys of every layer (vllm_worker.grouped_rms_norm_ok; NOTES-issue22.md measured
 drafter logits 0.04-0.10 apart at every cycle because of it, 2e-5 with it emulated). Where the worker's probe finds
 that defect, the built-in decoder is compared with the defect emulated (`context_keys_normed_by_layer_0`, here in the
-test, never in draftsmith), so the check still asks for step-identical verifications. Each broken copy (target layers shifted by one; the mask token wrong) must fail the τ check while staying lossless.
+test, never in draftsmith), so the check still asks for step-identical verifications. Each broken copy (target
+layers shifted by one; the mask token wrong) must fail the τ check while staying lossless.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import pytest
-from conftest import builtin_decode, engine_eval_cfg
-from test_engine_vllm import edited_copy
+from conftest import builtin_decode
+from test_engine_vllm import counters_job, edited_copy
 
-from draftsmith import engine
 from draftsmith.configs import compose
 from draftsmith.eval import engine_vllm as ev_engine
 from draftsmith.eval import run as ev
@@ -59,7 +59,7 @@ def exports(engine_data, engine_head, tmp_path_factory, smollm2_target):
     import json
 
     root = tmp_path_factory.mktemp("engine-dflash")
-    data = engine_data  # conftest.py: made once per session, read only
+    data = engine_data  # conftest.py: made once per test run, read only
     verifier = ev_engine.served_target(smollm2_target)
     head = engine_head("dflash")
     x = {"dflash": export(compose("export", [f"head={head}", "format=dflash", "dtype=float32",
@@ -120,20 +120,12 @@ def measured(exports, engine_head, builtin_samples, smollm2_target, tmp_path_fac
     are the ones that compute what this vLLM computes (see the module docstring): the trained head's own
     (conftest.py), or, where the worker's probe found the k_norm defect, the head with the defect emulated."""
     samples = {ev.TARGET_ONLY: builtin_samples(ev.TARGET_ONLY, MAX_TOKENS)}
-    runs = [{"name": ev_engine.TARGET_ONLY, "speculative_config": None}]
-    runs += [engine_run(name, exports[name]) for name in WORKING + BROKEN]
-    job = ev_engine.engine_job(ev_engine.served_target(smollm2_target),
-                               [s.prompt_ids for s in samples[ev.TARGET_ONLY]], MAX_TOKENS,
-                               smollm2_target.eos_token_ids, runs,
-                               warmup=0, batch=True)  # counters only: every prompt in one call, nothing timed
-    result = engine.run_job(job, timeout_s=3600)
+    result = counters_job(smollm2_target, samples, MAX_TOKENS,
+                          [engine_run(name, exports[name]) for name in WORKING + BROKEN])
     if result.get("grouped_rms_norm_ok") is False:
-        cfg = engine_eval_cfg(exports["data"], MAX_TOKENS, tmp_path_factory.mktemp("eval"))
-        setup = ev.prepare(cfg)
-        cfg.head = str(engine_head("dflash"))
-        drafter = ev.load_drafter(cfg, setup.target, setup.runner.max_len)
         with context_keys_normed_by_layer_0():
-            samples["dflash"] = builtin_decode(setup, drafter.make(), "dflash")
+            samples["dflash"] = builtin_decode(exports["data"], "dflash", engine_head("dflash"), MAX_TOKENS,
+                                               tmp_path_factory.mktemp("eval"))
         assert [s.prompt_ids for s in samples["dflash"]] == [s.prompt_ids for s in samples[ev.TARGET_ONLY]]
     else:
         samples["dflash"] = builtin_samples("dflash", MAX_TOKENS)

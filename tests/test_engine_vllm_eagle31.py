@@ -21,9 +21,8 @@ import json
 
 import pytest
 from safetensors import safe_open
-from test_engine_vllm import K, edited_copy, engine_run
+from test_engine_vllm import K, counters_job, edited_copy, engine_run
 
-from draftsmith import engine
 from draftsmith.configs import compose
 from draftsmith.eval import engine_vllm as ev_engine
 from draftsmith.eval import run as ev
@@ -45,7 +44,7 @@ def exports(engine_data, engine_head, tmp_path_factory):
     """The session's EAGLE-3 head with the norms on (conftest.py: trained once, offline) -> its eagle3 export (+ the
     broken copy)."""
     root = tmp_path_factory.mktemp("engine-eagle31")
-    data = engine_data  # conftest.py: made once per session, read only
+    data = engine_data  # conftest.py: made once per test run, read only
     x = export(compose("export", [f"head={engine_head('eagle3_31')}", "format=eagle3", "dtype=float32",
                                   f"out={root / 'x'}"]))
     return {"data": data, WORKING: x, BROKEN: edited_copy(x, root / "broken", drop=("norm_output",))}
@@ -64,13 +63,8 @@ def measured(exports, builtin_samples, smollm2_target):
     """(built-in samples, the engine's result): the same prompts, greedy, fp32, K = 3 (the built-in samples are the
     trained head's, conftest.py)."""
     samples = {m: builtin_samples(m, MAX_TOKENS) for m in (ev.TARGET_ONLY, WORKING)}
-    runs = [{"name": ev_engine.TARGET_ONLY, "speculative_config": None}]
-    runs += [engine_run(name, exports[name]) for name in (WORKING, BROKEN)]  # served as method eagle3
-    job = ev_engine.engine_job(ev_engine.served_target(smollm2_target),
-                               [s.prompt_ids for s in samples[ev.TARGET_ONLY]], MAX_TOKENS,
-                               smollm2_target.eos_token_ids, runs,
-                               warmup=0, batch=True)  # counters only: every prompt in one call, nothing timed
-    return samples, engine.run_job(job, timeout_s=3600)
+    runs = [engine_run(name, exports[name]) for name in (WORKING, BROKEN)]  # served as method eagle3
+    return samples, counters_job(smollm2_target, samples, MAX_TOKENS, runs)
 
 
 def test_eagle31_export_in_engine(measured):
