@@ -80,7 +80,14 @@ def pytest_collection_modifyitems(items):
         item.add_marker(pytest.mark.xdist_group(item.path.stem))  # test ids end in @<group>
     engine_modules = {item.path for item in items if item.get_closest_marker("engine")}
     slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: (item.path not in engine_modules, item.path not in slow_modules))  # stable
+    items.sort(key=lambda item: (FIRST.index(item.path.stem) if item.path.stem in FIRST else len(FIRST),
+                                 item.path not in engine_modules, item.path not in slow_modules))  # stable
+
+
+# The first modules out, one to each worker: test_engine_vllm makes the shared data-gen and heads (made_once), and the
+# other worker starts on a long module that needs none of them, where it would otherwise sit on their locks for the
+# first ~90 s (data-gen, then the EAGLE-3 head). Its next module (an engine one) finds them made.
+FIRST = ("test_engine_vllm", "test_decoder_sampling")
 
 
 def shared_path(tmp_path_factory, name: str) -> Path:
@@ -139,11 +146,10 @@ def require(missing, what: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def engine_data(engine_ready, tmp_path_factory):
-    """The engine tests' one data-gen output (16 self-written prompts of the embedded SmolLM2, fp32, 64 tokens) with
-    the target's hidden states (EAGLE-3, P-EAGLE and DFlash train offline from them) and its top-k log-probs (the
-    draft model's offline signal): every engine module trains its heads on it and decodes its prompts, so it is
-    made once per test run, by whichever worker asks first. Read only."""
+def smollm2_data(tmp_path_factory):
+    """The test run's one data-gen output on the embedded SmolLM2 (16 self-written prompts, fp32, 64 tokens) with the
+    target's hidden states (EAGLE-3, P-EAGLE and DFlash train offline from them) and its top-k log-probs (the draft
+    model's offline signal): made once per test run, by whichever worker asks first. Read only."""
     from draftsmith.configs import compose
     from draftsmith.data_gen.run import run as data_gen
 
@@ -152,6 +158,13 @@ def engine_data(engine_ready, tmp_path_factory):
                                       "max_new_tokens=64", "hidden_states=true", "topk_logits=true", f"out={data}"]))
 
     return made_once(shared_path(tmp_path_factory, "engine-data") / "data", make)
+
+
+@pytest.fixture(scope="session")
+def engine_data(engine_ready, smollm2_data):
+    """smollm2_data, for the engine modules (every one trains its heads on it and decodes its prompts): asks for the
+    engine first, so a machine without it skips (or, in CI, fails) before any data-gen."""
+    return smollm2_data
 
 
 # What the engine modules train on engine_data, by name: each head is trained once per session, offline (from the

@@ -262,6 +262,32 @@ def test_agreement_equal_and_not():
     assert not b["equal"] and b["steps_identical_fraction"] == 0.0 and b["tau_engine"] == 1.0
 
 
+def test_agreement_leaves_out_each_prompts_last_verification_where_the_engine_gave_its_steps():
+    """vLLM drafts K at a prompt's last verification and drops what is past max_tokens; the built-in decoder
+    shortens that draft. Only that verification differs here (built-in accepted 1, vLLM 3): with per-request detail
+    the figures are compared without it; pooled (no detail) the same run is 0.67 tau apart."""
+    s = sample([3, 1, 2], [3, 3, 1], accepted=[2, 1, 0])  # steps 2, 0, 1 (the last draft shortened to 1)
+    counters = {"num_drafts": 3, "num_draft_tokens": 9, "num_accepted_tokens": 5,
+                "num_accepted_tokens_per_pos": [2, 2, 1]}  # steps 2, 0, 3
+    a = ev_engine.agreement([s], {"counters": counters, "per_request": [{"per_step_accepted": [2, 0, 3]}]}, 3)
+    assert a["equal"] and a["max_abs_delta"] == 0 and a["compared"].startswith("every verification but")
+    assert a["tau_engine"] == pytest.approx(1 + 5 / 3) and a["tau_builtin"] == pytest.approx(2.0)  # pooled, shown
+    assert a["tau_engine_compared"] == a["tau_builtin_compared"] == pytest.approx(2.0)
+    b = ev_engine.agreement([s], {"counters": counters}, 3)
+    assert not b["equal"] and b["max_abs_delta"] == pytest.approx(2 / 3) and b["compared"] == "every verification"
+    # one token left to the cap: the built-in decoder verified without a draft (not a step), vLLM drafted once more
+    room = sample([3, 1, 1], [3, 3, 0], accepted=[1, 1, 0])  # steps 2, 0
+    d = ev_engine.agreement([room], {"counters": {"num_drafts": 3, "num_draft_tokens": 9, "num_accepted_tokens": 3,
+                                                  "num_accepted_tokens_per_pos": [2, 1, 0]},
+                                     "per_request": [{"per_step_accepted": [2, 0, 1]}]}, 3)
+    assert d["equal"] and d["tau_engine_compared"] == d["tau_builtin_compared"] == pytest.approx(3.0)
+    # a difference before the last verification is still caught, in the figures as in the steps
+    c = ev_engine.agreement([s], {"counters": {**counters, "num_accepted_tokens": 3,
+                                               "num_accepted_tokens_per_pos": [1, 1, 1]},
+                                  "per_request": [{"per_step_accepted": [0, 0, 3]}]}, 3)
+    assert not c["equal"] and c["max_abs_delta"] == pytest.approx(1.0) and c["steps_identical_fraction"] == 0.0
+
+
 def test_speculative_configs_are_the_served_ones():
     def config(method, *args):
         return ev_engine.speculative_config(method, engines_of(method), *args)

@@ -146,7 +146,8 @@ def test_eval_engine_llamacpp(engine_data, engine_head, llamacpp_ready, tmp_path
     llamacpp section beside the built-in figures, and the recommendation from llama.cpp's measured best."""
     report = ev.run(compose("eval", COMMON + [f"head={engine_head('eagle3')}", "engine=llamacpp", "llamacpp_target=f32",
                                               "prompts.source=holdout", f"prompts.path={engine_data}",
-                                              "prompts.holdout=3", "max_new_tokens=32", "repeats=1", "progress=false",
+                                              "prompts.holdout=3", "max_new_tokens=32", "repeats=1", "warmup_prompts=0",
+                                              "cost_repeats=1", "progress=false",
                                               "plot=false", f"drafting.num_speculative_tokens={K}", f"out={tmp_path}"]))
     e = report["llamacpp"]
     assert e["target_only_identical_to_builtin"] == 1.0 and e["same_function_as_builtin"]
