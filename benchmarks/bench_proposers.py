@@ -46,7 +46,7 @@ def prepare_setup(args, k_max: int):
             prompt_opts.append(f"prompts.categories=[{','.join(args.categories)}]")
     cfg = compose("eval", [f"target={args.target}", "head=none", *prompt_opts, "temperature=0",
                            f"drafting.num_speculative_tokens={k_max}", f"max_new_tokens={args.max_new_tokens}",
-                           f"ngram_min={args.ngram_min}", f"ngram_max={args.ngram_max}",
+                           f"ngram_min={min(args.ngram_min)}", f"ngram_max={args.ngram_max}",
                            f"out={Path(args.out).with_suffix('')}_eval", "overwrite=true", "progress=false",
                            "plot=false"])
     return cfg, prepare(cfg)
@@ -178,15 +178,24 @@ def bench_ngram(args):
     from draftsmith.eval.decoder import DraftingConfig
     from draftsmith.eval.proposers.ngram import NgramFirstProposer, NgramProposer
 
-    cfg, setup = prepare_setup(args, args.k)
+    cfg, setup = prepare_setup(args, max([args.k, *args.head_ks]))
     drafting = DraftingConfig("chain", args.k)
-    rows = [("target_only", None, drafting),
-            ("ngram", TimedProposer(NgramProposer(args.ngram_max, args.ngram_min)), drafting)]
+    stops = [(f" stop_below={t}", DraftingConfig("chain", args.k, stop_below=t)) for t in args.combined_stop_below]
+    rows = [("target_only", None, drafting)]
+    rows += [(_ngram_name(m, args), TimedProposer(NgramProposer(args.ngram_max, m)), drafting) for m in args.ngram_min]
     for method, make in load_heads(cfg, setup, args.heads).items():
-        rows.append((method, TimedProposer(make()), drafting))
-        rows.append((f"ngram+{method}", TimedProposer(NgramFirstProposer(NgramProposer(args.ngram_max, args.ngram_min),
-                                                                         make())), drafting))
+        head = TimedProposer(make())
+        rows += [(f"{method} K={k}", head, DraftingConfig("chain", k)) for k in dict.fromkeys([*args.head_ks, args.k])]
+        rows += [(f"{method} K={args.k}{name}", head, d) for name, d in stops]
+        for m in args.ngram_min:  # n-gram + head: n-gram drafts (one-hot q: never stopped) where it matches
+            both = TimedProposer(NgramFirstProposer(NgramProposer(args.ngram_max, m), make()))
+            rows += [(f"{_ngram_name(m, args)}+{method} K={args.k}{name}", both, d)
+                     for name, d in [("", drafting), *stops]]
     return rows, setup, lambda totals: ngram_result(args, rows, totals)
+
+
+def _ngram_name(ngram_min: int, args) -> str:
+    return "ngram" if len(args.ngram_min) == 1 else f"ngram[{ngram_min}..{args.ngram_max}]"
 
 
 def ngram_result(args, rows, totals) -> dict:
@@ -236,7 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=5, help="chain length (dynamic: the cap with stop_below)")
     ap.add_argument("--fixed-ks", type=int, nargs="+", default=[1, 2, 3, 5])
     ap.add_argument("--stop-below", type=float, nargs="+", default=[0.1, 0.2, 0.4])
-    ap.add_argument("--ngram-min", type=int, default=2)
+    ap.add_argument("--ngram-min", type=int, nargs="+", default=[2],
+                    help="shortest suffix match; ngram: a row (and an n-gram + head row) for each")
+    ap.add_argument("--head-ks", type=int, nargs="*", default=[], help="ngram: the head alone also at these K")
+    ap.add_argument("--combined-stop-below", type=float, nargs="*", default=[],
+                    help="ngram: the head alone and n-gram + head also with drafting.stop_below=<t> (n-gram's one-hot "
+                         "drafts never stop)")
     ap.add_argument("--ngram-max", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=1)

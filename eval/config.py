@@ -12,7 +12,9 @@ from draftsmith.eval.decoder import DraftingConfig
 from draftsmith.eval.proposers.ngram import NGRAM_MATCHES
 from draftsmith.sampling import SamplingConfig
 
-BASELINES = ("ngram", "hf_generate", "hf_assisted")
+# ngram+head: the head folder's drafts after n-gram lookup (`ngram+<method>`, as ngram_first=true measures it) beside
+# the head alone
+BASELINES = ("ngram", "ngram+head", "hf_generate", "hf_assisted")
 # where the figures are measured: the built-in decoder, and beside it vLLM (eval/engine_vllm.py) or llama.cpp
 # (eval/engine_llamacpp.py)
 ENGINES = ("builtin", "vllm", "llamacpp")
@@ -72,8 +74,9 @@ class EvalConfig:
     repeats: int = 3  # timing: decodes of every prompt by each method (the median counts)
     warmup_prompts: int = 1  # decoded first by every method, excluded from every figure
     seed: int = 0  # prompt sampling and decoding
-    # Extra rows: ngram (our decoder with the n-gram proposer), hf_generate (transformers'
-    # target-only generate), hf_assisted (transformers' generate(assistant_model=...) for draft models).
+    # Extra rows: ngram (our decoder with the n-gram proposer), ngram+head (the head after n-gram lookup, as
+    # ngram_first=true decodes it), hf_generate (transformers' target-only generate), hf_assisted (transformers' generate(assistant_model=...)
+    # for draft models).
     baselines: list[str] = field(default_factory=list)
     # KV-cache slots of the target runner; None = longest prompt + turns * max_new_tokens + draft room.
     max_len: Optional[int] = None
@@ -109,6 +112,10 @@ class EvalConfig:
         check_engine_options(self)
         if self.ngram_first and self.head in ("ngram", "none"):
             raise DraftsmithError(f"ngram_first=true needs a head folder to fall back on, not head={self.head}.")
+        if "ngram+head" in self.baselines and (self.ngram_first or self.head in ("ngram", "none")):
+            raise DraftsmithError(f"baselines has 'ngram+head' (the head after n-gram lookup, beside the head alone): it "
+                                  f"needs a head folder and ngram_first=false, not head={self.head} "
+                                  f"ngram_first={str(self.ngram_first).lower()}.")
 
 
 def check_options(cfg) -> None:

@@ -272,6 +272,8 @@ def method_proposers(cfg, drafter: Drafter) -> dict[str, Optional[Proposer]]:
         proposers[drafter.method] = drafter.make()
     if "ngram" in cfg.baselines and drafter.method != "ngram":
         proposers["ngram"] = ngram_proposer(cfg)
+    if "ngram+head" in cfg.baselines and drafter.make is not None:  # the head after n-gram lookup (ngram_first's)
+        proposers[f"ngram+{drafter.method}"] = NgramFirstProposer(ngram_proposer(cfg), drafter.make())
     return proposers
 
 

@@ -19,10 +19,11 @@ def test_tiny_demo_end_to_end_then_skipped(tmp_path):
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["method"] == "eagle3" and report["temperature"] == 0.0
     assert report["n_prompts"] == FLAVOURS["tiny"]["eval_prompts"]
-    assert report["tau"] >= 1.0 and "ngram" in report["baselines"]
+    assert report["tau"] >= 1.0 and {"ngram", "ngram+eagle3"} <= set(report["baselines"])
     assert (tmp_path / "eval" / "report.md").is_file() and (tmp_path / "eval" / "report.png").is_file()
     lines = summary(result)  # what the CLI prints after run()
     assert "tau" in lines and "speedup" in lines and "per-position acceptance" in lines
+    assert "built-in decoder, side by side: eagle3 tau" in lines and "ngram+eagle3 tau" in lines
     # a second run finds every stage complete with the same settings
     again = run(cfg)
     assert again["skipped"] == ["data_gen", "train", "eval"]
@@ -163,3 +164,31 @@ def test_demo_summary_names_llamacpps_winner():
     assert "eagle3 wins" in demo.llamacpp_summary(report(1.3, 1.12, 1.15), "smollm2")[0]
     slow = demo.llamacpp_summary(report(0.8, 0.9, 0.95), "smollm2")[0]
     assert "none is faster than target-only; ngram+eagle3 is the least slow" in slow
+
+
+def test_demo_summary_puts_the_builtin_drafters_side_by_side_and_names_the_winner():
+    from draftsmith import demo
+
+    def report(mixed, head, ngram):
+        return {"method": "ngram+eagle3", "tau": 1.6, "speedup": mixed,
+                "baselines": {"eagle3": {"tau": 1.3, "speedup": head}, "ngram": {"tau": 1.4, "speedup": ngram},
+                              "hf_generate": {"tau": None, "speedup": 0.5}}}
+
+    line = demo.builtin_summary(report(1.2, 1.05, 1.1))[0]
+    assert "ngram+eagle3 tau 1.60 1.20x" in line and "eagle3 tau 1.30 1.05x" in line and "ngram tau 1.40 1.10x" in line
+    assert line.endswith("ngram+eagle3 wins") and "hf_generate" not in line  # not a drafter
+    assert demo.builtin_summary(report(1.2, 1.05, 1.3))[0].endswith("ngram wins")
+    assert demo.builtin_summary(report(0.8, 0.7, 0.9))[0].endswith("none is faster than target-only; ngram is the "
+                                                                   "least slow")
+    assert demo.builtin_summary({"method": "eagle3", "tau": 1.3, "speedup": 1.0, "baselines": {}}) == []
+
+
+def test_ngram_plus_head_baseline_needs_a_head_folder_and_no_ngram_first():
+    from draftsmith import DraftsmithError
+
+    cfg = compose("eval", ["head=runs/train/final", "baselines=[ngram,ngram+head]"])
+    assert list(cfg.baselines) == ["ngram", "ngram+head"]
+    for bad in (["head=runs/train/final", "ngram_first=true"], ["head=ngram"]):
+        with pytest.raises(DraftsmithError) as e:
+            compose("eval", bad + ["baselines=[ngram+head]"])
+        assert "ngram+head" in str(e.value) and "\n" not in str(e.value)
