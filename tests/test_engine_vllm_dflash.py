@@ -12,7 +12,7 @@ target-only; vLLM's τ and per-position acceptance equal the built-in decoder's 
 TOLERANCE, and every verification but the last of each prompt accepted exactly as many tokens in both.
 
 vLLM for CPU (0.32.0) computes the 2-layer drafter otherwise than its own contract: its rms_norm kernel applies
-layer 0's k_norm to the context keys of every layer (vllm_worker.grouped_rms_norm_ok; NOTES-issue22.md measured
+layer 0's k_norm to the context keys of every layer (vllm_worker.grouped_rms_norm_ok; docs/notes/issue22.md measured
 drafter logits 0.04-0.10 apart at every cycle because of it, 2e-5 with it emulated). Where the worker's probe finds
 that defect, the built-in decoder is compared with the defect emulated (`context_keys_normed_by_layer_0`, here in the
 test, never in draftsmith), so the check still asks for step-identical verifications. Each broken copy (target
@@ -39,16 +39,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(5400)]
 K = 3
 # 48, as the other engine modules (the built-in target-only reading is shared). This head accepts most drafts, so each
 # prompt's last verification (vLLM drafts K there and drops what is past max_tokens; the built-in decoder shortens
-# the draft) moved the pooled τ by 0.024 over 48 tokens (NOTES-issue22.md): eval/engine_vllm.py's `agreement` now
+# the draft) moved the pooled τ by 0.024 over 48 tokens (docs/notes/issue22.md): eval/engine_vllm.py's `agreement` now
 # compares every verification but that one, which was 96 tokens' worth of decoding here before
 MAX_TOKENS = 48
 # The speculators folder of the same head is exported but not decoded here: it gave exactly the plain folder's
-# counters in every measurement (NOTES-issue22.md: the same weights and config reach the same vLLM model), and vLLM's
+# counters in every measurement (docs/notes/issue22.md: the same weights and config reach the same vLLM model), and vLLM's
 # own readers map it to this config in tests/test_heads_dflash.py; decoding it again cost ~2 min of CI on an AVX2 CPU
 WORKING = ("dflash",)
 BROKEN = ("dflash_target_layers_shifted", "dflash_mask_token_wrong")
 # A folder with dflash_config.causal = true is not run: with heads this small the mask queries barely attend to one
-# another, so running them causally flipped no accept (NOTES-issue22.md); the flag's reading is checked by vLLM's own
+# another, so running them causally flipped no accept (docs/notes/issue22.md); the flag's reading is checked by vLLM's own
 # `_dflash_layer_causal` in tests/test_heads_dflash.py
 
 
