@@ -37,6 +37,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(5400)]
 K = ENGINE_K
 MAX_TOKENS = 48
 N_PROMPTS = ENGINE_PROMPTS
+BF16_TOLERANCE = 0.05  # the default bf16 export against the float32 head's built-in reading (test below)
 COMMON = ["target=smollm2", "target.dtype=float32"]
 # what each working export is compared with: its run in the engine -> the built-in decoder's method
 WORKING = {"eagle3": "eagle3", "speculators": "eagle3", "peagle": "peagle", "peagle_speculators": "peagle",
@@ -176,7 +177,7 @@ def test_broken_export_fails_tau_equality(measured, name, record_property):
 
 def test_default_bf16_export_in_engine(measured, record_property):
     """The export users get by default (bfloat16 weights; vLLM computes in fp32 here): loads, lossless, and its τ
-    within TOLERANCE of the built-in decoder's on the fp32 head. A verification may differ where bf16 rounding
+    within BF16_TOLERANCE of the built-in decoder's on the fp32 head. A verification may differ where bf16 rounding
     flips a near-tie in the draft, so step identity is the float32 exports' check."""
     samples, result = measured
     run = result["runs"]["eagle3_bf16"]
@@ -184,8 +185,9 @@ def test_default_bf16_export_in_engine(measured, record_property):
     assert run["tokens"] == result["runs"][ev_engine.TARGET_ONLY]["tokens"]
     agree = ev_engine.agreement(samples["eagle3"], run, K)
     record_property("agreement", agree)
-    # τ, not each position: a position's share moves by whole flipped accepts (0.022 once, on 140 verifications)
-    assert abs(agree["tau_engine_compared"] - agree["tau_builtin_compared"]) <= agree["tolerance"], agree
+    # τ, not each position, and a wider bound than the float32 exports' TOLERANCE: bf16 rounding flips whole accepts
+    # (measured 0.022 on 67 compared verifications, 2026-12-04, Zen 3), while every broken copy moved τ by >= 0.097
+    assert abs(agree["tau_engine_compared"] - agree["tau_builtin_compared"]) <= BF16_TOLERANCE, agree
 
 
 def test_peagle_without_parallel_drafting_is_caught(measured, record_property):
