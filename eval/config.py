@@ -75,8 +75,8 @@ class EvalConfig:
     warmup_prompts: int = 1  # decoded first by every method, excluded from every figure
     seed: int = 0  # prompt sampling and decoding
     # Extra rows: ngram (our decoder with the n-gram proposer), ngram+head (the head after n-gram lookup, as
-    # ngram_first=true decodes it), hf_generate (transformers' target-only generate), hf_assisted (transformers' generate(assistant_model=...)
-    # for draft models).
+    # ngram_first=true decodes it), hf_generate (transformers' target-only generate), hf_assisted (transformers'
+    # generate(assistant_model=...) for draft models).
     baselines: list[str] = field(default_factory=list)
     # KV-cache slots of the target runner; None = longest prompt + turns * max_new_tokens + draft room.
     max_len: Optional[int] = None

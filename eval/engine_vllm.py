@@ -149,6 +149,8 @@ def agreement(samples: list[metrics.Sample], run: dict, k: int, tolerance: float
     steps = [(d or {}).get("per_step_accepted") for d in run.get("per_request") or []]
     same_steps = [steps_identical(builtin_steps(s), st) for s, st in zip(samples, steps) if st is not None]
     steps_fraction = sum(same_steps) / len(same_steps) if same_steps else None
+    pooled_ours, pooled_theirs = figures(ours_all), figures(theirs_all)
+    ours, theirs = pooled_ours, pooled_theirs
     detailed = len(steps) == len(samples) and all(st is not None for st in steps)
     if detailed:  # per prompt, the steps both sides had less the last of them (vLLM may have one more: steps_identical)
         ours_cut, theirs_cut = [], []
@@ -158,12 +160,9 @@ def agreement(samples: list[metrics.Sample], run: dict, k: int, tolerance: float
             ours_cut += b[n:]
             theirs_cut += st[n:]
         ours, theirs = figures(without_steps(ours_all, ours_cut, k)), figures(without_steps(theirs_all, theirs_cut, k))
-    else:
-        ours, theirs = figures(ours_all), figures(theirs_all)
     pos_ours = ours["per_position_acceptance"]
     pos_theirs = (theirs["per_position_acceptance"] + [0.0] * k)[:k]
     deltas = [abs(ours["tau"] - theirs["tau"])] + [abs(a - b) for a, b in zip(pos_ours, pos_theirs)]
-    pooled_ours, pooled_theirs = figures(ours_all), figures(theirs_all)
     return {"tau_builtin": pooled_ours["tau"], "tau_engine": pooled_theirs["tau"],  # every verification
             "per_position_builtin": pooled_ours["per_position_acceptance"],
             "per_position_engine": (pooled_theirs["per_position_acceptance"] + [0.0] * k)[:k],

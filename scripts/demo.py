@@ -420,7 +420,7 @@ def summary(result: dict) -> str:
     r = result["report"]
     acc = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
     lines = [
-        f"draftsmith demo ({result['flavour']}): {r['method']} (EAGLE-3 head) on {r['target']['target_id']}, "
+        f"draftsmith demo ({result['flavour']}): EAGLE-3 head on {r['target']['target_id']}, "
         f"{r['n_prompts']} held-out prompts, temperature {r['temperature']}, chain K={r['drafting']['num_speculative_tokens']}",
         f"  tau (tokens per target verification, bonus included): {r['tau']:.2f}",
         f"  per-position acceptance: {acc}",
