@@ -28,15 +28,12 @@ from draftsmith.configs import compose
 from draftsmith.engine import served_folder
 from draftsmith.eval.cost import llamacpp_settings
 from draftsmith.eval.engine_llamacpp import decode_run, target_gguf
+from draftsmith.eval.engine_vllm import figures
 from draftsmith.eval.proposers.ngram import NGRAM_ENGINES
 from draftsmith.eval.prompts import render
 from draftsmith.export import run as export
 from draftsmith.machine import machine_info
 from draftsmith.methods import methods
-
-
-def tau(counters: dict) -> float | None:
-    return 1 + counters["num_accepted_tokens"] / counters["num_drafts"] if counters.get("num_drafts") else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,16 +75,15 @@ def main(argv: list[str] | None = None) -> int:
         threads = torch.get_num_threads()
         result = {"settings": vars(args), "target": str(model), "machine": machine_info(),
                   "head_bytes": {t: p.stat().st_size for t, p in heads.items()}, "rows": []}
-        base = None
+        base = None  # target-only: its tokens and tokens/s (the first row)
         for name, t, run in rows:
             r = decode_run(model, heads[t] if t else None, run, prompts, args.max_new_tokens, 1, 1, threads, ctx)
             tps = sum(map(len, r["tokens"])) / sum(r["seconds"])
             if base is None:
-                base = r
-            row = {"row": name, "tokens_per_s": tps, "speedup": tps / (sum(map(len, base["tokens"])) /
-                                                                          sum(base["seconds"])),
-                   "tau": tau(r["counters"]) if "counters" in r else None,
-                   "lossless": r["tokens"] == base["tokens"]}
+                base = (r["tokens"], tps)
+            row = {"row": name, "tokens_per_s": tps, "speedup": tps / base[1],
+                   "tau": figures(r["counters"])["tau"] if "counters" in r else None,  # vLLM's counting
+                   "lossless": r["tokens"] == base[0]}
             result["rows"].append(row)
             print(f"{name:<28} tau {row['tau'] or 0:5.2f}  {tps:7.1f} tok/s  {row['speedup']:.3f}x"
                   + ("" if row["lossless"] else "  OUTPUT DIFFERS FROM TARGET-ONLY"), flush=True)

@@ -12,11 +12,11 @@ target-only; vLLM's τ and per-position acceptance equal the built-in decoder's 
 TOLERANCE, and every verification but the last of each prompt accepted exactly as many tokens in both.
 
 vLLM for CPU (0.32.0) computes the 2-layer drafter otherwise than its own contract: its rms_norm kernel applies
-layer 0's k_norm to the context keys of every layer (vllm_worker.grouped_rms_norm_ok; docs/notes/issue22.md measured
-drafter logits 0.04-0.10 apart at every cycle because of it, 2e-5 with it emulated). Where the worker's probe finds
-that defect, the built-in decoder is compared with the defect emulated (`context_keys_normed_by_layer_0`, here in the
-test, never in draftsmith), so the check still asks for step-identical verifications. Each broken copy (target
-layers shifted by one; the mask token wrong) must fail the τ check while staying lossless.
+layer 0's k_norm to the context keys of every layer (vllm_worker.grouped_rms_norm_ok; docs/notes/issue22.md
+measured drafter logits 0.04-0.10 apart at every cycle because of it, 2e-5 with it emulated). Where the worker's
+probe finds that defect, the built-in decoder is compared with the defect emulated (`context_keys_normed_by_layer_0`,
+here in the test, never in draftsmith), so the check still asks for step-identical verifications. Each broken copy
+(target layers shifted by one; the mask token wrong) must fail the τ check while staying lossless.
 """
 
 from __future__ import annotations
@@ -43,13 +43,14 @@ K = 3
 # compares every verification but that one, which was 96 tokens' worth of decoding here before
 MAX_TOKENS = 48
 # The speculators folder of the same head is exported but not decoded here: it gave exactly the plain folder's
-# counters in every measurement (docs/notes/issue22.md: the same weights and config reach the same vLLM model), and vLLM's
-# own readers map it to this config in tests/test_heads_dflash.py; decoding it again cost ~2 min of CI on an AVX2 CPU
+# counters in every measurement (docs/notes/issue22.md: the same weights and config reach the same vLLM model), and
+# vLLM's own readers map it to this config in tests/test_heads_dflash.py; decoding it again cost ~2 min of CI on an
+# AVX2 CPU
 WORKING = ("dflash",)
 BROKEN = ("dflash_target_layers_shifted", "dflash_mask_token_wrong")
 # A folder with dflash_config.causal = true is not run: with heads this small the mask queries barely attend to one
-# another, so running them causally flipped no accept (docs/notes/issue22.md); the flag's reading is checked by vLLM's own
-# `_dflash_layer_causal` in tests/test_heads_dflash.py
+# another, so running them causally flipped no accept (docs/notes/issue22.md); the flag's reading is checked by vLLM's
+# own `_dflash_layer_causal` in tests/test_heads_dflash.py
 
 
 @pytest.fixture(scope="module")
