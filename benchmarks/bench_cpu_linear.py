@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.artifacts import atomic_write_json
-from draftsmith.machine import machine_info
+from draftsmith.core.artifacts import atomic_write_json
+from draftsmith.core.machine import machine_info
 
 SHAPES = {"q/o (576x576)": (576, 576), "k/v (192x576)": (192, 576), "gate/up (1536x576)": (1536, 576),
           "down (576x1536)": (576, 1536), "lm_head (49152x576)": (49152, 576)}

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.artifacts import atomic_write_json
-from draftsmith.machine import machine_info
+from draftsmith.core.artifacts import atomic_write_json
+from draftsmith.core.machine import machine_info
 from draftsmith.data_gen.batching import generate_tokens
 from draftsmith.data_gen.capture import capture_hidden_states
 from draftsmith.data_gen.config import PromptsConfig

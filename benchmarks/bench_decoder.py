@@ -22,8 +22,8 @@ from draftsmith.eval import cost
 from draftsmith.eval.decoder import DraftingConfig, speculative_generate
 from draftsmith.eval.proposers.ngram import NgramProposer
 from draftsmith.eval.target_runner import TargetRunner
-from draftsmith.machine import machine_info
-from draftsmith.sampling import SamplingConfig
+from draftsmith.core.machine import machine_info
+from draftsmith.core.sampling import SamplingConfig
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number, then explain it.",

@@ -25,9 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from draftsmith.machine import machine_info
+from draftsmith.core.machine import machine_info
 from draftsmith.configs import compose
-from draftsmith.artifacts import atomic_write_json
+from draftsmith.core.artifacts import atomic_write_json
 
 
 def eval_row(head: str, data: str, out: Path, temperature: float, args, assisted: bool) -> dict:

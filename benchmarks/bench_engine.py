@@ -23,10 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from draftsmith.artifacts import atomic_write_json
+from draftsmith.core.artifacts import atomic_write_json
 from draftsmith.configs import compose
 from draftsmith.eval.run import run
-from draftsmith.machine import machine_info
+from draftsmith.core.machine import machine_info
 
 SPEC_BENCH = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_question.jsonl")
 

@@ -22,9 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from draftsmith.machine import machine_info
+from draftsmith.core.machine import machine_info
 from draftsmith.configs import compose
-from draftsmith.artifacts import atomic_write_json
+from draftsmith.core.artifacts import atomic_write_json
 from draftsmith.eval.run import run
 
 SPEC_BENCH = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_question.jsonl")  # ../shared beside the repo

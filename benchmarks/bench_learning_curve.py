@@ -36,8 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-from draftsmith.machine import machine_info
-from draftsmith.artifacts import atomic_write_bytes, atomic_write_json
+from draftsmith.core.machine import machine_info
+from draftsmith.core.artifacts import atomic_write_bytes, atomic_write_json
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_question.jsonl"
 VARIANTS = {

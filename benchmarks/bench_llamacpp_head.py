@@ -22,18 +22,18 @@ from pathlib import Path
 
 import torch
 
-from draftsmith import llamacpp
-from draftsmith.artifacts import atomic_write_json
+from draftsmith.core import llamacpp
+from draftsmith.core.artifacts import atomic_write_json
 from draftsmith.configs import compose
-from draftsmith.engine import served_folder
+from draftsmith.core.engine import served_folder
 from draftsmith.eval.cost import llamacpp_settings
 from draftsmith.eval.engine_llamacpp import decode_run, target_gguf
 from draftsmith.eval.engine_vllm import figures
 from draftsmith.eval.proposers.ngram import NGRAM_ENGINES
 from draftsmith.eval.prompts import render
 from draftsmith.export import run as export
-from draftsmith.machine import machine_info
-from draftsmith.methods import methods
+from draftsmith.core.machine import machine_info
+from draftsmith.core.methods import methods
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,10 +25,10 @@ from pathlib import Path
 
 from bench_engine import per_k_rows
 
-from draftsmith.artifacts import atomic_write_json
+from draftsmith.core.artifacts import atomic_write_json
 from draftsmith.configs import compose
 from draftsmith.eval.run import run as eval_run
-from draftsmith.machine import machine_info
+from draftsmith.core.machine import machine_info
 from draftsmith.train.run import run as train_run
 
 METHOD_OPTIONS = {"eagle3": [], "peagle": ["method.num_layers=2"], "dflash": ["method.num_layers=2"]}

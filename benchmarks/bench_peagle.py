@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.machine import machine_info
+from draftsmith.core.machine import machine_info
 from draftsmith.configs import compose
-from draftsmith.artifacts import atomic_write_json
+from draftsmith.core.artifacts import atomic_write_json
 
 
 class TimedProposer:

@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from bench_peagle import TimedProposer
 
-from draftsmith.artifacts import atomic_write_json
+from draftsmith.core.artifacts import atomic_write_json
 from draftsmith.configs import compose
-from draftsmith.machine import machine_info
+from draftsmith.core.machine import machine_info
 
 
 def prepare_setup(args, k_max: int):

@@ -33,8 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-from draftsmith.artifacts import atomic_write_bytes, atomic_write_json
-from draftsmith.machine import machine_info
+from draftsmith.core.artifacts import atomic_write_bytes, atomic_write_json
+from draftsmith.core.machine import machine_info
 
 CONFIGS = {
     "base": [],

@@ -7,7 +7,7 @@ states) as a subprocess: once alone, then two at once on the same cores, under t
   before   GOMP_SPINCOUNT=300000: libgomp's own default when no wait policy is set (idle threads spin
            for ~300k iterations before sleeping), i.e. what draftsmith ran with before it set anything;
   passive  OMP_WAIT_POLICY=PASSIVE: an idle thread sleeps at once (fair sharing, but slow small ops alone);
-  after    no OpenMP variable set: what `draftsmith` sets itself (draftsmith.procenv.share_cores:
+  after    no OpenMP variable set: what `draftsmith` sets itself (draftsmith.core.procenv.share_cores:
            GOMP_SPINCOUNT=10000, a short spin, then sleep).
 The figure is the wall time of each data-gen process (model load included) and the slowdown of two at
 once against one alone (2.0 = the cores are shared fairly, more = spinning threads waste them). A run
@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from draftsmith.artifacts import atomic_write_json
-from draftsmith.machine import machine_info
+from draftsmith.core.artifacts import atomic_write_json
+from draftsmith.core.machine import machine_info
 
 SPEC_BENCH = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_question.jsonl")
 SETTINGS = {"before": {"GOMP_SPINCOUNT": "300000"}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "after": {}}

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from draftsmith.machine import machine_info
+from draftsmith.core.machine import machine_info
 
 PEERS = Path(__file__).resolve().parent.parent.parent / "shared" / "peers"
 

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_vllm_start.py [--llms 3] [--out runs/bench_vllm_start.json]
 
-Each configuration is one engine job (draftsmith.engine.run_job, the worker the engine tests use) that builds
+Each configuration is one engine job (draftsmith.core.engine.run_job, the worker the engine tests use) that builds
 `--llms` target-only LLMs of the embedded SmolLM2 (fp32) one after the other and decodes one prompt of 16 tokens
 with each. Per configuration it prints the job's wall time, each LLM's start (`load_s`: LLM() returned) and the
 phases vLLM logs (weights loaded, model loaded, engine initialised: KV cache and warm-up), so the remainder of a
@@ -26,11 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from draftsmith import engine
-from draftsmith.artifacts import atomic_write_json
+from draftsmith.core import engine
+from draftsmith.core.artifacts import atomic_write_json
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.eval import engine_vllm as ev_engine
-from draftsmith.machine import machine_info
+from draftsmith.core.machine import machine_info
 
 # vLLM's own log lines for the phases of a start (vllm 0.32.0), each with its seconds
 PHASES = {

@@ -41,10 +41,10 @@ import sys
 import time
 from pathlib import Path
 
-from draftsmith.artifacts import atomic_write_json
+from draftsmith.core.artifacts import atomic_write_json
 from draftsmith.configs import compose
 from draftsmith.eval.run import run as eval_run
-from draftsmith.machine import machine_info
+from draftsmith.core.machine import machine_info
 from draftsmith.train.run import run as train_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,7 +149,7 @@ def train_speculators(args, name: str = "speculators", samples: int | None = Non
 def specforge_run(args, out: Path, stop: list[str], total_steps: int) -> dict:
     """One run of benchmarks/peers/specforge_eagle3.py in SpecForge's venv on the converted rows; its record."""
     from draftsmith.data_gen.target import TargetConfig, load_target
-    from draftsmith.engine import served_folder
+    from draftsmith.core.engine import served_folder
 
     target = load_target(TargetConfig(name="smollm2"), lazy=True)
     rec = out / "peer.json"

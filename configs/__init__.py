@@ -18,8 +18,8 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, ListConfig, MISSING, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from draftsmith import DraftsmithError
-from draftsmith.methods import methods
+from draftsmith.core import DraftsmithError
+from draftsmith.core.methods import methods
 
 CONFIG_MODULE = "draftsmith.configs"
 

@@ -29,12 +29,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from draftsmith import DraftsmithError
-from draftsmith.sampling import process_logits
+from draftsmith.core import DraftsmithError
+from draftsmith.core.sampling import process_logits
 
 
 def sample_next(logits: torch.Tensor, params, generators: list[torch.Generator]) -> torch.Tensor:
-    """Next token per row: argmax when greedy, else draftsmith.sampling's rule with each row's own generator."""
+    """Next token per row: argmax when greedy, else draftsmith.core.sampling's rule with each row's own generator."""
     if params.greedy:
         return logits.argmax(dim=-1)
     probs = process_logits(logits, params)  # (B, V) float64

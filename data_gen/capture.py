@@ -40,9 +40,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from draftsmith.artifacts import atomic_write_bytes, atomic_write_json
+from draftsmith.core.artifacts import atomic_write_bytes, atomic_write_json
 from draftsmith.data_gen.target import torch_dtype
-from draftsmith.progress import progress
+from draftsmith.core.progress import progress
 
 INDEX = "index.json"
 RANK_INDEX = "index.rank{:05d}.json"  # a rank's finished shards, while ranks capture together

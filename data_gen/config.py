@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from draftsmith import DraftsmithError, checks
+from draftsmith.core import DraftsmithError, checks
 from draftsmith.data_gen.target import DTYPES, TargetConfig, stage_target
-from draftsmith.sampling import SamplingConfig
+from draftsmith.core.sampling import SamplingConfig
 
 PROMPT_SOURCES = ("self", "sharegpt", "openai", "question", "hf")
 

@@ -24,8 +24,8 @@ import datasets
 import torch
 from safetensors import safe_open
 
-from draftsmith import DraftsmithError
-from draftsmith.artifacts import check_same_target, read_manifest
+from draftsmith.core import DraftsmithError
+from draftsmith.core.artifacts import check_same_target, read_manifest
 
 
 def load_tokenized(data_dir: str | Path, target_identity: dict | None = None):

@@ -23,13 +23,13 @@ from typing import Iterable, Iterator, Optional
 import datasets
 import torch
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.config import TASK_OPENERS, PromptsConfig
 from draftsmith.data_gen.filters import PromptFilter
 from draftsmith.data_gen.regenerate import SamplingParams, generate_tokens
 from draftsmith.data_gen.tokenize import apply_chat_template
-from draftsmith.progress import progress
-from draftsmith.sampling import hash_seed
+from draftsmith.core.progress import progress
+from draftsmith.core.sampling import hash_seed
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}

@@ -9,8 +9,8 @@ Backends (looked up in BACKENDS):
           rows, as their answers end, are refilled with waiting prompts).
   openai  any OpenAI-compatible server (`vllm serve`, SGLang): POST /v1/chat/completions with
           bounded concurrency; 429 / 408 / 5xx / dropped connections / timeouts are retried with
-          backoff (backend.retries, backend.backoff_s, backend.backoff_max_s; draftsmith.retry).
-  vllm    vLLM in-process in its own venv (draftsmith.engine runs scripts/vllm_generate.py there): one `LLM`
+          backoff (backend.retries, backend.backoff_s, backend.backoff_max_s; draftsmith.core.retry).
+  vllm    vLLM in-process in its own venv (draftsmith.core.engine runs core/vllm_generate.py there): one `LLM`
           on the target's HF folder per call, every conversation submitted at once (continuous batching).
 A backend is built as `Backend(target, cfg, params, dtype)` (dtype: the name of the target's dtype, for a
 backend that loads the target itself). Its `chat(conversations, seeds, done=None)` returns one answer per
@@ -18,7 +18,7 @@ conversation (a `Failed`, or None, when it gave up: not text) and calls `done(j)
 progress. The hf and vllm backends render the chat template here (`prompt_ids`) and decode the answer tokens
 here, so both see the same prompt tokens.
 
-Sampling (draftsmith.sampling: the rule eval's decoder uses too) is reproducible per sample: each
+Sampling (draftsmith.core.sampling: the rule eval's decoder uses too) is reproducible per sample: each
 conversation turn draws from its own generator, seeded from (seed, sample id, turn), so the same
 sample gets the same answer whatever batch or rank it lands in.
 """
@@ -34,13 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from draftsmith import DraftsmithError, engine
+from draftsmith.core import DraftsmithError, engine
 from draftsmith.data_gen.batching import generate_tokens
 from draftsmith.data_gen.config import BackendConfig
 from draftsmith.data_gen.tokenize import apply_chat_template
-from draftsmith.machine import dtype_name
-from draftsmith.retry import Backoff, Transient, call, retry_after_s, retryable_status
-from draftsmith.sampling import SamplingConfig, hash_seed
+from draftsmith.core.machine import dtype_name
+from draftsmith.core.retry import Backoff, Transient, call, retry_after_s, retryable_status
+from draftsmith.core.sampling import SamplingConfig, hash_seed
 
 
 @dataclass
@@ -292,7 +292,7 @@ class OpenAIBackend:
 
     Each try of a request must finish within `timeout_s` (connect to last byte). 429, 408, 5xx, a
     dropped or reset connection and a timeout are tried again, up to `retries` times, after a jittered
-    exponential backoff (draftsmith.retry; a Retry-After is honoured up to `backoff_max_s`); a retry
+    exponential backoff (draftsmith.core.retry; a Retry-After is honoured up to `backoff_max_s`); a retry
     waits in its worker, so no more than `concurrency` requests are ever in flight. Other 4xx are not
     retried. A conversation that still fails comes back as a `Failed` (its last error), not an answer.
     """

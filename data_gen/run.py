@@ -65,8 +65,8 @@ import datasets
 import torch
 from omegaconf import OmegaConf
 
-from draftsmith import DraftsmithError
-from draftsmith import artifacts as mf
+from draftsmith.core import DraftsmithError
+from draftsmith.core import artifacts as mf
 from draftsmith.data_gen.capture import WRITTEN as CAPTURE_FILES
 from draftsmith.data_gen.capture import (FEATURE_SOURCES, capture_hidden_states, finished_shards, num_shards,
                                         write_index)
@@ -77,10 +77,10 @@ from draftsmith.data_gen.target import load_target, resolve_target_dtype, torch_
 from draftsmith.data_gen.tokenize import tokenize_samples
 from draftsmith.data_gen.topk import WRITTEN as TOPK_FILES
 from draftsmith.data_gen.topk import capture_topk
-from draftsmith.locks import acquire_lock as claim_run, claim_dir, claim_file, rank_world, release_lock
-from draftsmith.locks import wait_while_progressing
-from draftsmith.methods import methods
-from draftsmith.progress import progress
+from draftsmith.core.locks import acquire_lock as claim_run, claim_dir, claim_file, rank_world, release_lock
+from draftsmith.core.locks import wait_while_progressing
+from draftsmith.core.methods import methods
+from draftsmith.core.progress import progress
 
 COUNT_KEYS = ("prompts", "samples", "tokens", "loss_tokens", "truncated", "dropped", "failed")
 STATE = ".data_gen_counts.json"  # counts of a finished tokenized set, for resume and merge

@@ -27,11 +27,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig,
                           LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast)
 
-from draftsmith import DraftsmithError, checks, machine
-from draftsmith.artifacts import default_mode
+from draftsmith.core import DraftsmithError, checks, machine
+from draftsmith.core.artifacts import default_mode
 from draftsmith.data_gen.tokenize import apply_chat_template
-from draftsmith.heads.folders import check_weights_file
-from draftsmith.heads.kit import default_aux_layer_ids
+from draftsmith.core.layers import default_aux_layer_ids
+from draftsmith.core.trust import check_weights_file, remote_code_refused
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -57,7 +57,7 @@ HF_PLACEHOLDER = "<set target.name>"
 class TargetConfig:
     name: str = "smollm2"  # smollm2 | tiny | an HF folder or hub id | a .gguf file
     revision: Optional[str] = None  # hub revision (branch, tag or commit) of an HF target
-    # auto (bf16 on a CUDA device with bf16 and on a CPU with fast native bf16 matmul, else float32: draftsmith.machine)
+    # auto (bf16 on a CUDA device with bf16 and on a CPU with fast native bf16 matmul, else float32: draftsmith.core.machine)
     # | float32 | bfloat16 | float16 | float64 (fp32 | bf16 | fp16); the stages default to auto, TargetConfig() to float32
     dtype: str = "float32"
     device: str = "cpu"  # cpu | cuda | cuda:<index> | mps
@@ -96,7 +96,7 @@ def stage_target() -> TargetConfig:
 
 def resolve_target_dtype(cfg: TargetConfig) -> str:
     """Replace target.dtype=auto by the dtype this machine computes fastest in on target.device (in place, so
-    the saved config and every setting keyed by the dtype name the one used); returns why (draftsmith.machine)."""
+    the saved config and every setting keyed by the dtype name the one used); returns why (draftsmith.core.machine)."""
     dtype, why = machine.resolve_dtype(cfg.dtype, cfg.device)
     if cfg.dtype == "auto":
         cfg.dtype = machine.dtype_name(dtype)
@@ -104,7 +104,7 @@ def resolve_target_dtype(cfg: TargetConfig) -> str:
 
 
 def model_dtype(cfg: TargetConfig) -> torch.dtype:
-    """The dtype the target's weights are loaded in (auto decided by draftsmith.machine)."""
+    """The dtype the target's weights are loaded in (auto decided by draftsmith.core.machine)."""
     return machine.resolve_dtype(cfg.dtype, cfg.device)[0]
 
 
@@ -280,41 +280,6 @@ def _generation_config(name: str | os.PathLike, revision: Optional[str] = None):
     except OSError:
         return GenerationConfig.from_pretrained(name, revision=revision, config_file_name="config.json",
                                                 _from_model_config=True)
-
-
-# Files of a model folder that may name the folder's own code (transformers' auto_map), in the order they are read
-CODE_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
-
-
-def code_file(name: str | os.PathLike) -> Optional[str]:
-    """The first file of a local model folder whose JSON has an `auto_map` (code transformers would import), if any."""
-    for file in CODE_FILES:
-        path = Path(name) / file
-        try:
-            if "auto_map" in json.loads(path.read_text()):
-                return str(path)
-        except (OSError, ValueError, TypeError):
-            continue
-    return None
-
-
-class remote_code_refused:
-    """`with remote_code_refused(name, what, fix):` around a transformers from_pretrained: transformers' refusal
-    of a folder or Hub repo that needs its own code (auto_map, and no trust_remote_code) becomes one sentence
-    naming the file and `fix`. The one place this is said, for targets and draft models."""
-
-    def __init__(self, name: str | os.PathLike, what: str, fix: str):
-        self.name, self.what, self.fix = str(name), what, fix
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, tb):
-        if not (isinstance(error, ValueError) and "trust_remote_code" in str(error)):
-            return False
-        file = code_file(self.name) if Path(self.name).is_dir() else None
-        where = f"{file} ({self.what} {self.name!r})" if file else f"{self.what} {self.name!r} (on the Hub)"
-        raise DraftsmithError(f"{where} names its own code to run (auto_map); {self.fix}.") from None
 
 
 TARGET_CODE_FIX = ("draftsmith runs it only with target.trust_remote_code=true: pass that only if you have read and "

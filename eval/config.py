@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from draftsmith import DraftsmithError, checks
+from draftsmith.core import DraftsmithError, checks
 from draftsmith.data_gen.config import PromptSetConfig
 from draftsmith.data_gen.target import TargetConfig, stage_target
 from draftsmith.eval.decoder import DraftingConfig
 from draftsmith.eval.proposers.ngram import NGRAM_MATCHES
-from draftsmith.sampling import SamplingConfig
+from draftsmith.core.sampling import SamplingConfig
 
 # ngram+head: the head folder's drafts after n-gram lookup (`ngram+<method>`, as ngram_first=true measures it) beside
 # the head alone
@@ -57,7 +57,7 @@ class EvalConfig:
     head: str = "ngram"
     out: str = "runs/eval"  # output folder: report.json, report.md, plot
     overwrite: bool = False  # true: write into an out folder that is not an earlier eval output
-    # Sampling (applied to both target and draft distributions; draftsmith.sampling).
+    # Sampling (applied to both target and draft distributions; draftsmith.core.sampling).
     temperature: float = SamplingConfig.temperature  # 0 = greedy
     top_k: int = SamplingConfig.top_k  # 0 = off
     top_p: float = SamplingConfig.top_p  # nucleus sampling, in (0, 1]

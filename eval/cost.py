@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from draftsmith.engine import Engines
+from draftsmith.core.engine import Engines
 from draftsmith.eval.decoder import tree_mask
 
 
@@ -146,7 +146,7 @@ def serving_settings(method: str, engines: Engines, target_model: str, head_path
                      ngram_max: int = 3, line_break: bool = False) -> dict:
     """vLLM's --speculative-config and SGLang's --speculative-* flags for `method` at draft length `k`.
 
-    `engines`: the method's row's names for it (draftsmith.methods; ngram's is eval's NGRAM_ENGINES; ngram+<m>
+    `engines`: the method's row's names for it (draftsmith.core.methods; ngram's is eval's NGRAM_ENGINES; ngram+<m>
     is served as <m>). The one place that turns them into the engines' flags: eval's report and publish's model
     card both call it (`line_break=True`: one flag per line, for the card). Tree drafting (tree_size = the tree
     budget) maps to SGLang's topk / num-draft-tokens (the root counted, as SGLang does); vLLM gets the chain of

@@ -25,9 +25,9 @@ from typing import Optional, Protocol
 
 import torch
 
-from draftsmith import DraftsmithError
-from draftsmith.engine import NUM_SPECULATIVE_TOKENS
-from draftsmith.sampling import SamplingConfig, process_logits
+from draftsmith.core import DraftsmithError
+from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS
+from draftsmith.core.sampling import SamplingConfig, process_logits
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """`draftsmith eval engine=llamacpp`: the same prompts decoded by llama-server, its figures beside the built-in
 decoder's.
 
-llama.cpp is the engine CPU users serve GGUF models in (draftsmith.llamacpp builds and runs it). This module
+llama.cpp is the engine CPU users serve GGUF models in (draftsmith.core.llamacpp builds and runs it). This module
 decodes an eval run's prompts there, one llama-server per run, and returns the report's `llamacpp` section:
 
     llamacpp_runs     target-only, the head at K (and every sweep_k), n-gram lookup (ngram-simple), and head +
@@ -13,7 +13,7 @@ decodes an eval run's prompts there, one llama-server per run, and returns the r
     llamacpp_report   decode every run, then per run: greedy output, τ and per-position acceptance from
                       llama.cpp's counters, tokens/s from its clock, speedup against its target-only run
 
-llama.cpp counts as vLLM does (draftsmith.llamacpp), so the built-in decoder's figures beside its are
+llama.cpp counts as vLLM does (draftsmith.core.llamacpp), so the built-in decoder's figures beside its are
 counted by eval/engine_vllm.py's `builtin_counts` and compared by its `agreement`. llama.cpp gives no
 per-request step detail, so the agreement is the pooled figures' alone.
 """
@@ -27,16 +27,16 @@ from typing import Optional
 
 import torch
 
-from draftsmith import DraftsmithError, llamacpp
-from draftsmith.artifacts import MANIFEST, read_manifest
+from draftsmith.core import DraftsmithError, llamacpp
+from draftsmith.core.artifacts import MANIFEST, read_manifest
 from draftsmith.data_gen.target import cache_root, smollm2_gguf_path
-from draftsmith.engine import served_folder
+from draftsmith.core.engine import served_folder
 from draftsmith.eval import metrics
 from draftsmith.eval.cost import llamacpp_settings
 from draftsmith.eval.engine_vllm import TARGET_ONLY, agreement, figures, fraction_equal, run_name
 from draftsmith.eval.proposers.ngram import NGRAM_ENGINES
 from draftsmith.heads.folders import FormatOptions
-from draftsmith.progress import progress
+from draftsmith.core.progress import progress
 
 # --------------------------------------------------------------------------- what llama-server loads
 

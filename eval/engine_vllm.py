@@ -1,6 +1,6 @@
 """`draftsmith eval engine=vllm`: the same prompts decoded inside vLLM, its figures beside the built-in decoder's.
 
-vLLM runs in its own venv (draftsmith.engine runs `vllm_worker.py` there); this module builds the job from an
+vLLM runs in its own venv (draftsmith.core.engine runs `vllm_worker.py` there); this module builds the job from an
 eval run's prompts and settings, and turns the engine's result into the report's `engine` section:
 
     engine_runs      target-only, the head at K (and every sweep_k), the ngram baseline: one vLLM `LLM` each
@@ -23,8 +23,8 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from draftsmith import DraftsmithError, engine
-from draftsmith.engine import Engines
+from draftsmith.core import DraftsmithError, engine
+from draftsmith.core.engine import Engines
 from draftsmith.eval import metrics
 from draftsmith.eval.config import check_engine_options
 from draftsmith.eval.cost import serving_settings

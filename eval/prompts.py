@@ -21,7 +21,7 @@ from typing import Iterable, Optional
 
 from datasets import load_from_disk
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.prompts import from_openai, from_sharegpt, read_conversations, skipped_text, with_user_turn
 from draftsmith.data_gen.tokenize import apply_chat_template
 

@@ -10,7 +10,7 @@ report.json, report.md, report.png, config.yaml and manifest.json.
 
     run = prepare -> load_drafter -> method_proposers -> warm_up -> decode_all -> build_report -> write_outputs
 
-A head folder is read by the method its config.json names (draftsmith.methods); `ngram` and `none`
+A head folder is read by the method its config.json names (draftsmith.core.methods); `ngram` and `none`
 are eval's own. The CLI prints `summary(report)`.
 """
 
@@ -26,10 +26,10 @@ import torch
 from omegaconf import OmegaConf
 from transformers import PreTrainedModel
 
-from draftsmith import DraftsmithError, machine
-from draftsmith import artifacts as mf
+from draftsmith.core import DraftsmithError, machine
+from draftsmith.core import artifacts as mf
 from draftsmith.data_gen.target import KNOWN_TARGETS, Target, load_target, resolve_target_dtype
-from draftsmith.engine import Engines
+from draftsmith.core.engine import Engines
 from draftsmith.eval import cost, metrics
 from draftsmith.eval.config import EvalConfig, build_settings
 from draftsmith.eval.decoder import DraftingConfig, GenerationResult, Proposer, speculative_generate
@@ -40,9 +40,9 @@ from draftsmith.eval.proposers.ngram import NGRAM_ENGINES, NgramFirstProposer, N
 from draftsmith.eval.report import hardware, software_versions, summary_lines, write_report
 from draftsmith.eval.target_runner import TargetRunner
 from draftsmith.heads.folders import weights_sha256
-from draftsmith.methods import method_for_folder, read_folder_config
-from draftsmith.progress import progress
-from draftsmith.sampling import SamplingConfig
+from draftsmith.core.methods import method_for_folder, read_folder_config
+from draftsmith.core.progress import progress
+from draftsmith.core.sampling import SamplingConfig
 
 TARGET_ONLY = "target_only"
 BUILT_IN = ("ngram", "none")  # eval's own `head=` options, no trained drafter
@@ -54,7 +54,7 @@ BUILT_IN = ("ngram", "none")  # eval's own `head=` options, no trained drafter
 class Drafter:
     """What `head=` named: a method name, how to build a fresh proposer, and what the report says of it."""
 
-    method: str  # a method's name (draftsmith.methods: eagle3, draft_model, ...), ngram or none
+    method: str  # a method's name (draftsmith.core.methods: eagle3, draft_model, ...), ngram or none
     make: Optional[Callable[[], Proposer]]  # builds the proposer; None = target-only
     info: dict = field(default_factory=dict)
     model: Optional[torch.nn.Module] = None  # the loaded drafter (a transformers model can be hf_assisted's)
@@ -99,7 +99,7 @@ def check_head_target(folder: Path, config: dict, target: Target) -> None:
 
 
 def load_drafter(cfg, target: Target, max_len: int) -> Drafter:
-    """Resolve `head=`: none | ngram | a folder, loaded by the method its config.json names (draftsmith.methods)."""
+    """Resolve `head=`: none | ngram | a folder, loaded by the method its config.json names (draftsmith.core.methods)."""
     head = str(cfg.head)
     if head == "none":
         return Drafter("none", None, {"kind": "none"})
@@ -211,7 +211,7 @@ class Setup:
     target: Target
     runner: TargetRunner  # the target with its static KV cache, shared by every method
     sweep: dict[str, DraftingConfig] = field(default_factory=dict)  # K-sweep rows: name -> their drafting
-    dtype_why: str = ""  # why the target runs in its dtype (draftsmith.machine: target.dtype=auto's choice)
+    dtype_why: str = ""  # why the target runs in its dtype (draftsmith.core.machine: target.dtype=auto's choice)
 
     def decode(self, proposer: Optional[Proposer], prompt: EvalPrompt, method: str = "") -> list[GenerationResult]:
         drafting = self.sweep.get(method, self.drafting)

@@ -26,13 +26,14 @@ from typing import Optional
 
 import torch
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.heads.dflash import DFlashHead, dflash_config_from_target
 from draftsmith.heads.folders import (CONFIG, EMBED, SPECULATORS_VERSION, WEIGHTS, build_head, export_verifier,
                                       folder_hooks, folder_tensors, layer_shapes, llama_layer_config,
                                       read_checked_tensors, read_config_json, speculators_config,
                                       with_target_embeddings, write_head_folder)
-from draftsmith.heads.kit import DEFAULT_ROPE_THETA, default_aux_layer_ids
+from draftsmith.core.layers import default_aux_layer_ids
+from draftsmith.heads.kit import DEFAULT_ROPE_THETA
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"  # vLLM's registry: qwen3_dflash.DFlashQwen3ForCausalLM
 DFLASH_SPECULATORS_ARCHITECTURE = "DFlashSpeculator"
@@ -199,7 +200,7 @@ def save_speculators_dflash(head: DFlashHead, folder: str | os.PathLike, verifie
                              "speculators")
 
 
-# ---- the method table's hooks (draftsmith.methods) -------------------------------------------------------------
+# ---- the method table's hooks (draftsmith.core.methods) -------------------------------------------------------------
 
 # the target layers it reads (low, middle, high: EAGLE-3's, so data-gen's shards serve it), captured by data-gen and
 # computed by train / eval's runner; its folders always name them

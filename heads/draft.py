@@ -23,9 +23,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftsmith import DraftsmithError
-from draftsmith.data_gen.target import remote_code_refused
-from draftsmith.heads.folders import WEIGHTS, check_weights_file
+from draftsmith.core import DraftsmithError
+from draftsmith.core.trust import check_weights_file, remote_code_refused
+from draftsmith.heads.folders import WEIGHTS
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -172,7 +172,7 @@ DRAFT_CODE_FIX = ("draftsmith never runs a draft model's own code: use a draft m
 
 def check_draft_weights(folder: Path, *, links_ok: bool = False) -> list[Path]:
     """A draft-model folder's safetensors files (one, or the shards of one model), each checked by
-    heads.folders.check_weights_file (which also refuses a folder holding only pickled weights)."""
+    core.trust.check_weights_file (which also refuses a folder holding only pickled weights)."""
     files = sorted(folder.glob("*.safetensors")) or [folder / WEIGHTS]
     return [check_weights_file(f, links_ok=links_ok) for f in files]
 

@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftsmith.artifacts import atomic_folder, write_manifest
-from draftsmith.data_gen.target import remote_code_refused
+from draftsmith.core.artifacts import atomic_folder, write_manifest
+from draftsmith.core.trust import remote_code_refused
 from draftsmith.heads.draft import DRAFT_CODE_FIX, DraftLM, check_draft_weights
 from draftsmith.heads.folders import gguf_writer
 
@@ -68,7 +68,7 @@ def _folder_tokenizer(model):
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
 
-# ---- the method table's hooks (draftsmith.methods) -------------------------------------------------------------------
+# ---- the method table's hooks (draftsmith.core.methods) -------------------------------------------------------------------
 
 ARCHITECTURES: tuple[str, ...] = ()  # the catch-all: any HF causal-LM folder is evaluated as a draft model
 

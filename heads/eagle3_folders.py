@@ -23,15 +23,15 @@ from typing import Optional
 
 import torch
 
-from draftsmith import DraftsmithError
-from draftsmith.engine import NUM_SPECULATIVE_TOKENS
+from draftsmith.core import DraftsmithError
+from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS
 from draftsmith.heads.eagle3 import NUM_AUX, Eagle3Head, norms_of
 from draftsmith.heads.folders import (CONFIG, EAGLE3_ARCHITECTURE, EMBED, WEIGHTS, build_head,
                                       config_from_json, eagle3_architecture_config, export_writer, folder_hooks,
                                       folder_tensors, gguf_writer, layer_shapes, llama_layer_config, read_checked_tensors,
                                       read_config_json, speculators_fields, speculators_writer,
                                       with_target_embeddings, write_head_folder)
-from draftsmith.heads.kit import default_aux_layer_ids
+from draftsmith.core.layers import default_aux_layer_ids
 
 SPECULATORS_ARCHITECTURE = "Eagle3DraftModel"
 ARCHITECTURES = (EAGLE3_ARCHITECTURE,)
@@ -167,7 +167,7 @@ def eagle3_for_gguf(head: Eagle3Head, folder: Path, manifest_target: Optional[di
                        include_embeddings=options.include_embeddings, dtype=options.dtype, stage="export")
 
 
-# ---- the method table's hooks (draftsmith.methods) --------------------------------------------------
+# ---- the method table's hooks (draftsmith.core.methods) --------------------------------------------------
 
 # the target layers it reads (low, middle, high), captured by data-gen and computed by train / eval's runner
 target_layer_ids = default_aux_layer_ids

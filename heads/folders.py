@@ -28,9 +28,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftsmith import DraftsmithError, llamacpp
-from draftsmith.artifacts import atomic_folder, atomic_write_json, claim_output, write_manifest
-from draftsmith.heads.kit import DEFAULT_ROPE_THETA, default_aux_layer_ids, draft_config_from_target
+from draftsmith.core import DraftsmithError, llamacpp
+from draftsmith.core.artifacts import atomic_folder, atomic_write_json, claim_output, write_manifest
+from draftsmith.core.layers import default_aux_layer_ids
+from draftsmith.core.trust import check_weights_file
+from draftsmith.heads.kit import DEFAULT_ROPE_THETA, draft_config_from_target
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM's and SGLang's architecture of EAGLE-style heads
 CONFIG = "config.json"
@@ -264,50 +266,6 @@ def config_from_json(config: dict, where: Path):
     return llama
 
 
-SAFETENSORS_MAX_HEADER = 100_000_000  # the safetensors library's own limit on the JSON header
-# Weights files draftsmith never loads: unpickling them can run any code
-PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model-*.bin", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
-
-
-def check_weights_file(path: str | os.PathLike, *, links_ok: bool = False) -> Path:
-    """The one check every weights loader makes before a safetensors file is opened: refused in one sentence
-    naming the file and what to do when it is missing, a symbolic link (`links_ok` False: a link can point at
-    any file on this machine; a Hub cache folder, all links, passes links_ok=True), or not a complete safetensors
-    file (truncated, extra bytes, another format). Reads only the 8-byte length and the JSON header."""
-    path = Path(path)
-    if path.is_symlink() and not links_ok:
-        raise DraftsmithError(f"{path} is a symbolic link (to {os.readlink(path)}); draftsmith reads weights only "
-                              f"from a plain file in the folder, as a link can point at any file on this machine: "
-                              f"put the file itself there (or remove the link).")
-    if not path.is_file():
-        pickled = next((f for pattern in PICKLED_WEIGHTS for f in sorted(path.parent.glob(pattern))), None)
-        if pickled is not None:
-            raise DraftsmithError(f"{path.parent} has no {path.name}, only pickled weights ({pickled}), which draftsmith "
-                                  f"never loads (unpickling can run any code): convert them to safetensors where you "
-                                  f"trust the file (AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder, "
-                                  f"safe_serialization=True)) and pass the converted folder.")
-        raise DraftsmithError(f"{path.parent} has no {path.name}.")
-    size = path.stat().st_size
-    fix = "copy it again from where it came from, or rerun the stage that wrote it"
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else None
-        if length is None or length > min(size - 8, SAFETENSORS_MAX_HEADER):
-            raise DraftsmithError(f"{path} is truncated or not a safetensors file ({size} bytes, too short for the "
-                                  f"header it starts with); {fix}.")
-        try:
-            header = json.loads(f.read(length))
-            ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-            raise DraftsmithError(f"{path} is not a safetensors file (its header is not a safetensors header); "
-                                  f"{fix}.") from None
-    need = 8 + length + max(ends, default=0)
-    if size != need:
-        said = "is truncated" if size < need else f"has {size - need} bytes after its last tensor"
-        raise DraftsmithError(f"{path} {said}: its header lists {need} bytes, the file has {size}; {fix}.")
-    return path
-
-
 def read_checked_tensors(path: Path, expected: dict[str, tuple[int, ...]], optional: tuple[str, ...] = (),
                          device="cpu") -> dict[str, torch.Tensor]:
     """Read `path` with safetensors, refusing a missing, unexpected or wrongly shaped tensor."""
@@ -399,7 +357,7 @@ class FormatOptions:
         return self.target_folder()
 
 
-# The method table's folder hooks (draftsmith.methods) over a method's own loader and writers
+# The method table's folder hooks (draftsmith.core.methods) over a method's own loader and writers
 Loader = Callable[[Path, Any], torch.nn.Module]  # (folder, target | None) -> drafter
 Saver = Callable[[torch.nn.Module, Path, dict], Path]  # (drafter, folder, target identity) -> folder
 FormatWriter = Callable[[torch.nn.Module, Path, Optional[dict], Any], Path]  # (drafter, out, manifest target, options)
@@ -454,7 +412,7 @@ GGUF_OUTTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f
 def gguf_writer(save_folder: Callable[..., Path], file_name: str, needs_target: bool = False) -> FormatWriter:
     """format=gguf: the drafter written in its engine folder format by `save_folder(drafter, folder,
     manifest_target, options)` into a temporary folder, then converted by llama.cpp's own converter
-    (draftsmith.llamacpp) into `out/<file_name>`. `needs_target`: the converter reads the target's config and
+    (draftsmith.core.llamacpp) into `out/<file_name>`. `needs_target`: the converter reads the target's config and
     tokenizer (EAGLE-3: `--target-model-dir`, options.target_folder())."""
     def write(drafter: torch.nn.Module, folder: Path, manifest_target: Optional[dict], options) -> Path:
         target_dir = options.target_dir() if needs_target else None

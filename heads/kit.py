@@ -25,12 +25,6 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 DEFAULT_ROPE_THETA = 10000.0  # Llama's, for a config that names none (transformers' default too)
 
 
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """The target layers a feature-fed drafter fuses: the residual stream entering layers 2, N//2 and N-3 (HF
-    hidden_states indices), as EAGLE-3 and the engines assume when a folder names none."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
 def draft_config_from_target(target_config, draft_vocab_size: int) -> LlamaConfig:
     """A 1-layer Llama config matching the target's width, heads, rope and eps, over a draft vocab of at most the
     target's size (the base of every feature-fed drafter's config, and of the config.json engines read)."""

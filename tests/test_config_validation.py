@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.cli import main
 from draftsmith.configs import check_config, compose
 

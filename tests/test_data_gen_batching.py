@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.data_gen import batching
 from draftsmith.data_gen.batching import check_window, generate_tokens
 from draftsmith.data_gen.regenerate import SamplingParams

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.config import PromptsConfig
 from draftsmith.data_gen.prompts import load_prompts, user_header
 

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.config import BackendConfig
 from draftsmith.data_gen.regenerate import SamplingParams, generate_tokens, make_backend, regenerate, user_segments
 

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from draftsmith import DraftsmithError
-from draftsmith import artifacts as mf
+from draftsmith.core import DraftsmithError
+from draftsmith.core import artifacts as mf
 from draftsmith.data_gen import run as dg
 from draftsmith.data_gen.dataset import load_conversations, load_tokenized
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.cli import main
-from draftsmith import artifacts as mf
+from draftsmith.core import artifacts as mf
 from draftsmith.data_gen.dataset import HiddenStates, load_conversations, load_tokenized
 from draftsmith.data_gen.run import run
 

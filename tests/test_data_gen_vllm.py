@@ -1,4 +1,4 @@
-"""data-gen's backend=vllm: the worker (scripts/vllm_generate.py) against a stand-in `vllm` package (fast), and
+"""data-gen's backend=vllm: the worker (core/vllm_generate.py) against a stand-in `vllm` package (fast), and
 one slow test in the real engine, where vLLM's greedy answers must equal the hf backend's in fp32 up to near-ties.
 
 The stand-in answers each prompt with its last 4 tokens and the first stop id, finishes the requests last-added
@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from draftsmith import DraftsmithError, engine
+from draftsmith.core import DraftsmithError, engine
 from draftsmith.data_gen import run as dg
 from draftsmith.data_gen.config import BackendConfig
 from draftsmith.data_gen.dataset import load_conversations, load_tokenized

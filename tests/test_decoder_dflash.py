@@ -118,7 +118,7 @@ def test_stop_below_shortens_the_chain_only():
 
 
 def test_more_tokens_than_a_trained_block_is_refused():
-    from draftsmith import DraftsmithError
+    from draftsmith.core import DraftsmithError
 
     V = 12
     target = _target(V)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.eval.decoder import DraftingConfig, SamplingConfig, speculative_generate
 from draftsmith.eval.proposers.draft import DraftModelProposer

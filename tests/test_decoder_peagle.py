@@ -137,7 +137,7 @@ def _exact_joint(target, sampling):
     """P(x2, x3) of the 2nd and 3rd generated tokens, by enumerating every (x1, x2, x3)."""
     import itertools
 
-    from draftsmith.sampling import process_logits
+    from draftsmith.core.sampling import process_logits
 
     V = SAMPLING_V
     seqs = torch.tensor(list(itertools.product(range(V), repeat=2)))  # (V², 2): x1, x2

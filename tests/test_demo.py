@@ -184,7 +184,7 @@ def test_demo_summary_puts_the_builtin_drafters_side_by_side_and_names_the_winne
 
 
 def test_ngram_plus_head_baseline_needs_a_head_folder_and_no_ngram_first():
-    from draftsmith import DraftsmithError
+    from draftsmith.core import DraftsmithError
 
     cfg = compose("eval", ["head=runs/train/final", "baselines=[ngram,ngram+head]"])
     assert list(cfg.baselines) == ["ngram", "ngram+head"]

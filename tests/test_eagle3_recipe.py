@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from test_heads_checkpoint import logits_of, random_head, random_inputs
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.heads.eagle3_folders import load_eagle3, save_eagle3, save_speculators
 from draftsmith.heads.eagle3_folders import speculators_name
 from draftsmith.train import checkpoint as ckpt

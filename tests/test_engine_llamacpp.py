@@ -27,14 +27,14 @@ from safetensors.torch import load_file, save_file
 
 from conftest import ENGINE_K
 
-from draftsmith import engine, llamacpp
+from draftsmith.core import engine, llamacpp
 from draftsmith.configs import compose
 from draftsmith.data_gen.target import smollm2_gguf_path
 from draftsmith.eval import engine_llamacpp as ll
 from draftsmith.eval import run as ev
 from draftsmith.eval.engine_vllm import TARGET_ONLY, TOLERANCE, agreement, figures
 from draftsmith.export import run as export
-from draftsmith.methods import methods
+from draftsmith.core.methods import methods
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(3600)]
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith import engine
+from draftsmith.core import engine
 from draftsmith.configs import compose
 from draftsmith.eval import engine_vllm as ev_engine
 from draftsmith.eval import run as ev

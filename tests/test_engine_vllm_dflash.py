@@ -32,7 +32,7 @@ from draftsmith.eval import engine_vllm as ev_engine
 from draftsmith.eval import run as ev
 from draftsmith.export import run as export
 from draftsmith.heads import dflash as dflash_head
-from draftsmith.methods import methods
+from draftsmith.core.methods import methods
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(5400)]
 

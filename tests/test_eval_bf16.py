@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 
-from draftsmith import machine
+from draftsmith.core import machine
 from draftsmith.configs import compose
 from draftsmith.eval import metrics
 from draftsmith.eval.decoder import DraftingConfig, speculative_generate
 from draftsmith.eval.run import divergence, run
 from draftsmith.eval.target_runner import TargetRunner
-from draftsmith.sampling import SamplingConfig
+from draftsmith.core.sampling import SamplingConfig
 
 
 @pytest.fixture

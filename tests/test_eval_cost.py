@@ -12,8 +12,8 @@ import torch
 from draftsmith.eval import cost, decoder
 from draftsmith.eval.decoder import Draft, DraftingConfig, speculative_generate
 from draftsmith.eval.proposers.ngram import NGRAM_ENGINES
-from draftsmith.methods import METHODS
-from draftsmith.sampling import SamplingConfig
+from draftsmith.core.methods import METHODS
+from draftsmith.core.sampling import SamplingConfig
 
 V = 50
 

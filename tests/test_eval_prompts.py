@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.eval.config import EvalPromptsConfig
 from draftsmith.eval.prompts import load_prompts, read_jsonl, render, sample
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.cli import main
 from draftsmith.configs import compose
 from draftsmith.data_gen.target import TargetConfig, load_target
@@ -123,7 +123,7 @@ def test_unknown_head_is_refused(questions, tmp_path):
 
 
 def test_folder_only_another_tool_reads_is_refused(questions, tmp_path):
-    """A speculators-format folder: the EAGLE-3 method names it foreign (draftsmith.methods), eval refuses it."""
+    """A speculators-format folder: the EAGLE-3 method names it foreign (draftsmith.core.methods), eval refuses it."""
     (tmp_path / "spec").mkdir()
     (tmp_path / "spec" / "config.json").write_text(json.dumps({"architectures": ["Eagle3DraftModel"]}))
     with pytest.raises(DraftsmithError, match="speculators format") as e:

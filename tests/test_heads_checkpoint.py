@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.heads import folders
 from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
 from draftsmith.heads.eagle3_folders import load_eagle3, save_eagle3
@@ -214,7 +214,7 @@ def test_crash_mid_save_keeps_the_existing_folder(tiny_target, tmp_path, monkeyp
 
 
 def test_save_over_an_existing_folder_replaces_it(tiny_target, tmp_path):
-    from draftsmith.artifacts import RECORD, write_record
+    from draftsmith.core.artifacts import RECORD, write_record
 
     folder = save_eagle3(random_head(tiny_target, seed=0), tmp_path / "head")
     (folder / "stale.txt").write_text("from an older run")

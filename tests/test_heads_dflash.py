@@ -12,12 +12,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.cli import main
 from draftsmith.heads.dflash import DFlashHead, block_mask, dflash_config_from_target
 from draftsmith.heads.dflash_folders import load_dflash, save_dflash, save_speculators_dflash
 from draftsmith.heads.vocab import build_vocab_map
-from draftsmith.methods import method_for_folder
+from draftsmith.core.methods import method_for_folder
 from draftsmith.train.dflash import block_forward
 
 DRAFT_VOCAB = 100
@@ -125,7 +125,7 @@ def test_vllm_reads_both_folders_as_non_causal_dflash_with_these_layers(engine_r
     false, vLLM would make EVERY layer causal)."""
     import subprocess
 
-    from draftsmith import engine
+    from draftsmith.core import engine
 
     head = random_dflash(tiny_target)
     plain = save_dflash(head, tmp_path / "d")
@@ -285,7 +285,7 @@ def test_publish_card_serves_it_with_vllm_method_dflash(tiny_target, tmp_path):
 
 def test_beside_a_target_the_folder_must_read_the_layers_it_computes(tiny_target, tmp_path):
     from draftsmith.data_gen.target import TargetConfig, load_target
-    from draftsmith.methods import methods
+    from draftsmith.core.methods import methods
 
     entry = methods()["dflash"]
     assert entry.target_layer_ids(tiny_target.num_layers) == tiny_target.aux_layer_ids  # what data-gen captures

@@ -11,13 +11,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.cli import main
 from draftsmith.heads.kit import causal_mask
 from draftsmith.heads.peagle import PEagleHead, peagle_config_from_target
 from draftsmith.heads.peagle_folders import load_peagle, save_peagle, save_speculators_peagle
 from draftsmith.heads.vocab import build_vocab_map
-from draftsmith.methods import method_for_folder
+from draftsmith.core.methods import method_for_folder
 from draftsmith.train.peagle import Slots, parallel_forward, sample_slots
 
 DRAFT_VOCAB = 100

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
 from draftsmith.heads.vocab import build_vocab_map, count_tokens, draft_vocab_ids
 

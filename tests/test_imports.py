@@ -3,8 +3,8 @@ every module (a function-level import only for an optional back-end), and no sta
 
     python tests/test_imports.py     prints the figures (modules, edges, circles, floors, function-level imports)
 
-Stages by height (STYLE.md 14): the shared infrastructure at the package root, then data_gen and heads, then
-train and eval, then the root entry points (the method table, export, publish, demo, the CLI...)."""
+Stages by height (STYLE.md 14): the shared infrastructure in the core (core/), then data_gen and heads, then
+train and eval, then the root entry points (commands/: export, publish, demo, the CLI)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ OPTIONAL = {
 # Modules that may import late for a reason of their own
 LATE_OK = {
     "draftsmith.cli": "procenv.share_cores() must run before anything imports torch (OpenMP reads it at load)",
-    "draftsmith.vllm_worker": "run by path in vLLM's own venv: the standard library and vLLM only",
-    "draftsmith.vllm_generate": "run by path in vLLM's own venv: the standard library and vLLM only",
+    "draftsmith.core.vllm_worker": "run by path in vLLM's own venv: the standard library and vLLM only",
+    "draftsmith.core.vllm_generate": "run by path in vLLM's own venv: the standard library and vLLM only",
 }
 
 
@@ -163,12 +163,12 @@ def floors(edges: dict[str, set[str]]) -> int:
     return max(depth(v) for v in dag)
 
 
-# The height of each stage (STYLE.md 14): a module imports only modules of its own height or below. The root's
-# shared infrastructure (artifacts, checks, machine, engine, configs, the method table...) is the floor; the root
+# The height of each stage (STYLE.md 14): a module imports only modules of its own height or below. The core's
+# shared infrastructure (artifacts, checks, machine, engine, the method table...) and configs are the floor; the root
 # entry points (export, publish, the demo, the CLI) sit above every stage.
 ENTRY_POINTS = ("draftsmith.export", "draftsmith.publish", "draftsmith.demo", "draftsmith.cli")
 # The method table names each method's modules by import name; only the stage runners and the entry points read it.
-TABLE = "draftsmith.methods"
+TABLE = "draftsmith.core.methods"
 TABLE_READERS = ("draftsmith.data_gen.run", "draftsmith.train.run", "draftsmith.eval.run", "draftsmith.configs",
                  *ENTRY_POINTS)
 
@@ -221,6 +221,8 @@ def figures() -> dict:
         "floors_module_level": floors(top),
         "floors_with_function_level": floors(every),
         "upward_imports": [f"{a} -> {b}" for a, b in upward(g)],
+        "package_edges": {p: sorted(e) for p, e in sorted(package_edges(g).items())},
+        "circles_package_level": circles(package_edges(g)),
     }
 
 
@@ -254,6 +256,40 @@ def reached(g: dict[str, Imports], start: str) -> set[str]:
                 seen.add(t)
                 todo.append(t)
     return seen
+
+
+def package_of(module: str) -> str:
+    """The package a module belongs to: the root (commands/: draftsmith, cli, export, publish, demo) or the card
+    folder it sits in (draftsmith.core, .data_gen, .heads, .train, .eval with its proposers, .configs)."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 and ROOT.joinpath(parts[1]).is_dir() else "draftsmith"
+
+
+def package_edges(g: dict[str, Imports]) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for m, imp in g.items():
+        edges.setdefault(package_of(m), set()).update(
+            package_of(t) for t in imp.top | imp.late if package_of(t) != package_of(m))
+    return edges
+
+
+def test_no_package_circle():
+    """Between packages too: the core imports nothing above it, data_gen and heads only the core."""
+    edges = package_edges(graph())
+    assert len(edges) == 7, sorted(edges)  # the root, core, data_gen, heads, train, eval, configs
+    assert not circles(edges), f"package circles: {circles(edges)}"
+    assert edges["draftsmith.core"] == set(), edges["draftsmith.core"]
+    for package in ("draftsmith.data_gen", "draftsmith.heads"):
+        assert edges[package] == {"draftsmith.core"}, (package, edges[package])
+
+
+def test_docs_name_every_module():
+    """docs/layout.md maps every module to its file, and names no module the package does not have."""
+    text = (ROOT / "docs" / "layout.md").read_text()
+    listed = dict(line.split() for line in text.split("```")[1].strip().splitlines())
+    have = {m: str(p.relative_to(ROOT)) for m, p in modules().items()}
+    assert listed == have, {m: (listed.get(m), have.get(m)) for m in listed.keys() | have.keys()
+                            if listed.get(m) != have.get(m)}
 
 
 def test_train_and_eval_do_not_reach_each_other():

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draftsmith import DraftsmithError, engine, llamacpp
+from draftsmith.core import DraftsmithError, engine, llamacpp
 from draftsmith.cli import main
 from draftsmith.configs import compose
 from draftsmith.eval import cost
@@ -29,7 +29,7 @@ from draftsmith.eval.config import LLAMACPP_TARGETS
 from draftsmith.eval.engine_vllm import TARGET_ONLY
 from draftsmith.eval.proposers.ngram import NGRAM_ENGINES
 from draftsmith.export import run as export
-from draftsmith.methods import method_for_folder, methods
+from draftsmith.core.methods import method_for_folder, methods
 
 try:
     import psutil

@@ -1,4 +1,4 @@
-"""draftsmith.machine / draftsmith.procenv: `auto` dtype and precision by measured capability (every kind of
+"""draftsmith.core.machine / draftsmith.core.procenv: `auto` dtype and precision by measured capability (every kind of
 machine mocked), the one warning of an explicit bf16 where it is slow, deepspeed=auto, threads that survive
 sharing, and the stages' new defaults."""
 
@@ -13,9 +13,9 @@ import textwrap
 import pytest
 import torch
 
-from draftsmith import DraftsmithError, machine, procenv
+from draftsmith.core import DraftsmithError, machine, procenv
 from draftsmith.configs import compose
-from draftsmith.machine import CpuFeatures
+from draftsmith.core.machine import CpuFeatures
 from draftsmith.train.trainer import resolve_deepspeed, resolve_precision
 
 AMX = CpuFeatures("Intel(R) Xeon(R) Platinum 8480+", ("avx2", "avx512f", "avx512_bf16", "amx_bf16"), "AVX512", True)
@@ -73,7 +73,7 @@ def test_auto_on_a_cpu_with_amx(monkeypatch):
 
 def test_auto_on_a_cpu_without_native_bf16(monkeypatch, caplog):
     on_cpu(monkeypatch, AVX2)  # no probe either: nothing to measure for auto
-    with caplog.at_level(logging.INFO, logger="draftsmith.machine"):
+    with caplog.at_level(logging.INFO, logger="draftsmith.core.machine"):
         for _ in range(3):
             dtype, why = machine.resolve_dtype("auto", "cpu")
     assert dtype == torch.float32 and why == "this CPU (AMD EPYC 7B13 64-Core Processor, AVX2) has no native bf16 matmul"
@@ -120,7 +120,7 @@ def test_the_ranks_of_one_job_agree_on_auto():
     alone their choice and reason are the same, even with the other rank busy (a timing would be skewed)."""
     code = textwrap.dedent("""
         import json, sys
-        from draftsmith import machine
+        from draftsmith.core import machine
         dtype, why = machine.resolve_dtype("auto", "cpu")
         print(json.dumps([machine.dtype_name(dtype), why]))
     """)
@@ -155,7 +155,7 @@ def test_explicit_dtypes_are_kept(monkeypatch):
 
 def test_explicit_bf16_on_a_cpu_without_native_bf16_runs_with_one_warning(monkeypatch, caplog):
     on_cpu(monkeypatch, AVX2, slowdown=90.4)
-    with caplog.at_level(logging.INFO, logger="draftsmith.machine"):
+    with caplog.at_level(logging.INFO, logger="draftsmith.core.machine"):
         got = [machine.resolve_dtype(name, "cpu") for name in ("bfloat16", "bf16", torch.bfloat16)]
         assert resolve_precision("bf16", "cpu")[0] == "bf16"
     assert {g[0] for g in got} == {torch.bfloat16}
@@ -167,7 +167,7 @@ def test_explicit_bf16_on_a_cpu_without_native_bf16_runs_with_one_warning(monkey
 
 def test_explicit_bf16_on_a_gpu_that_only_emulates_it_warns_once(monkeypatch, caplog):
     on_cuda(monkeypatch, False, "Tesla T4")
-    with caplog.at_level(logging.INFO, logger="draftsmith.machine"):
+    with caplog.at_level(logging.INFO, logger="draftsmith.core.machine"):
         for _ in range(2):
             assert machine.resolve_dtype("bf16", "cuda:1") == (torch.bfloat16, "as requested")
     assert caplog.messages == ["warning: dtype bfloat16 (as requested) on cuda:1 (Tesla T4), which only emulates bf16; "
@@ -176,7 +176,7 @@ def test_explicit_bf16_on_a_gpu_that_only_emulates_it_warns_once(monkeypatch, ca
 
 def test_explicit_bf16_where_it_is_fast_says_nothing(monkeypatch, caplog):
     on_cpu(monkeypatch, AMX)
-    with caplog.at_level(logging.INFO, logger="draftsmith.machine"):
+    with caplog.at_level(logging.INFO, logger="draftsmith.core.machine"):
         assert machine.resolve_dtype("bfloat16", "cpu") == (torch.bfloat16, "as requested")
     assert caplog.messages == []
 
@@ -196,7 +196,7 @@ def test_an_avx2_only_cpu_emulated_by_onednn_warns_once_in_a_real_process():
     code = textwrap.dedent("""
         import logging
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-        from draftsmith import machine
+        from draftsmith.core import machine
         print(machine.resolve_dtype("auto", "cpu")[0])
         for _ in range(2):
             machine.resolve_dtype("bfloat16", "cpu")
@@ -284,7 +284,7 @@ def test_share_cores_sets_a_short_spin_unless_the_user_chose():
 def test_the_cli_sets_the_wait_policy_before_torch_is_imported():
     code = textwrap.dedent("""
         import os, sys
-        from draftsmith import procenv
+        from draftsmith.core import procenv
         real = procenv.share_cores
         def spy(*a, **k):
             print("torch imported first:", "torch" in sys.modules)
@@ -368,7 +368,7 @@ def test_single_process_default_training_never_imports_deepspeed(tmp_path):
 def test_the_cli_flushes_subnormals_to_zero():
     """After the CLI's process setup a subnormal fp32 input computes as zero (FTZ / DAZ), in a fresh process."""
     code = ("import sys, torch\n"
-            "from draftsmith import cli\n"
+            "from draftsmith.core import cli\n"
             "before = (torch.tensor([1e-39]) * 1.0).item()\n"
             "sys.argv = ['draftsmith', 'export', '--cfg', 'job', 'head=h']\n"
             "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"

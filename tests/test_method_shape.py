@@ -14,17 +14,17 @@ import torch
 from safetensors import safe_open
 from test_heads_peagle import random_peagle
 
-from draftsmith import DraftsmithError, methods
+from draftsmith.core import DraftsmithError, methods
 from draftsmith.cli import main
 from draftsmith.configs import compose
 from draftsmith.data_gen.target import TargetConfig, load_target
-from draftsmith.engine import NUM_SPECULATIVE_TOKENS, Engines
+from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS, Engines
 from draftsmith.eval.cost import serving_settings
 from draftsmith.eval.decoder import DraftingConfig
 from draftsmith.eval.proposers.peagle import proposer as peagle_proposer
-from draftsmith.heads.kit import default_aux_layer_ids
+from draftsmith.core.layers import default_aux_layer_ids
 from draftsmith.heads.peagle_folders import load_peagle, save_peagle
-from draftsmith.sampling import SamplingConfig
+from draftsmith.core.sampling import SamplingConfig
 
 
 # --------------------------------------------------------------------------- engines: from the row, no name branch

@@ -19,7 +19,7 @@ from throwaway_method.bigram import ARCH, Bigram
 from throwaway_method.bigram_folders import save_bigram
 from throwaway_method.train_bigram import BigramConfig
 
-from draftsmith import DraftsmithError, methods
+from draftsmith.core import DraftsmithError, methods
 from draftsmith.configs import compose
 
 
@@ -74,7 +74,7 @@ def test_export_refuses_a_format_of_another_method(bigram_method, tmp_path):
 def test_stages_do_not_name_methods():
     """No stage run branches on a method name or architecture: they look methods up in the table."""
     root = Path(__file__).resolve().parents[1]
-    for stage in ("train/run.py", "eval/run.py", "scripts/export.py", "train/trainer.py"):
+    for stage in ("train/run.py", "eval/run.py", "commands/export.py", "train/trainer.py"):
         text = (root / stage).read_text()
         for word in ("Eagle3", "EAGLE3", '"eagle3"', "'eagle3'"):  # classes, architectures, names as values
             assert word not in text, f"{stage} names {word}"

@@ -9,7 +9,7 @@ import torch
 import test_decoder_eagle3 as eagle3_tests  # tests/ is on sys.path under pytest (rootdir conftest)
 import test_decoder_peagle as peagle_tests
 import test_decoder_sampling as sampling_tests
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.eval import decoder
 from draftsmith.eval.decoder import Draft, DraftingConfig, SamplingConfig, speculative_generate

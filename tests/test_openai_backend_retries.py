@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.config import BackendConfig
 from draftsmith.data_gen.regenerate import SamplingParams, make_backend
 
@@ -397,7 +397,7 @@ def test_bad_retry_options_are_one_sentence(compose_cfg, override, says):
 def test_backoff_grows_with_jitter_honours_retry_after_and_is_capped():
     import random
 
-    from draftsmith.retry import Backoff
+    from draftsmith.core.retry import Backoff
 
     b = Backoff(retries=4, base_s=1.0, max_s=10.0)
     rng = random.Random(0)
@@ -413,7 +413,7 @@ def test_backoff_grows_with_jitter_honours_retry_after_and_is_capped():
 def test_retry_after_header_forms():
     from email.utils import formatdate
 
-    from draftsmith.retry import retry_after_s
+    from draftsmith.core.retry import retry_after_s
 
     assert retry_after_s("3") == 3.0
     assert retry_after_s(None) is None and retry_after_s("soon") is None and retry_after_s("-2") is None
@@ -421,7 +421,7 @@ def test_retry_after_header_forms():
 
 
 def test_retry_call_counts_and_raises_the_last_error():
-    from draftsmith.retry import Backoff, Transient, call
+    from draftsmith.core.retry import Backoff, Transient, call
 
     tries, slept = [], []
 

@@ -11,8 +11,8 @@ import pytest
 from test_heads_checkpoint import random_head
 from test_train_data import make_tiny_data
 
-from draftsmith import DraftsmithError
-from draftsmith import artifacts as mf
+from draftsmith.core import DraftsmithError
+from draftsmith.core import artifacts as mf
 from draftsmith.cli import main
 from draftsmith.heads.eagle3_folders import save_eagle3
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 
 from draftsmith.cli import SUBCOMMANDS, main
 from draftsmith.configs import SCHEMAS, compose

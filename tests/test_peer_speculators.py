@@ -230,7 +230,7 @@ def test_adapter_computes_speculators_logits(peer, tiny_target, verifier_folder,
 
 
 def test_method_row_claims_speculators_folders(peer, tiny_target, verifier_folder, tmp_path):
-    from draftsmith.methods import METHODS, method_for_folder
+    from draftsmith.core.methods import METHODS, method_for_folder
 
     folder = speculators_folder_with_norms(tiny_target, verifier_folder, tmp_path, RECIPE)
     before = dict(METHODS)

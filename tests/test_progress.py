@@ -1,8 +1,8 @@
-"""draftsmith.progress: plain lines when stderr is not a terminal."""
+"""draftsmith.core.progress: plain lines when stderr is not a terminal."""
 
 import io
 
-from draftsmith.progress import PlainProgress, progress
+from draftsmith.core.progress import PlainProgress, progress
 
 
 def test_plain_lines_name_done_total_rate_and_eta():

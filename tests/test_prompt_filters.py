@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.config import FiltersConfig, PromptsConfig
 from draftsmith.data_gen.filters import (Deduper, PromptFilter, filter_answers, jaccard, repeated_ngram_ratio,
                                          shingles, text_reason)

@@ -7,7 +7,7 @@ import torch
 
 import test_decoder_peagle as peagle_tests  # tests/ is on sys.path under pytest (rootdir conftest)
 import test_decoder_sampling as sampling_tests
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.eval import decoder
 from draftsmith.eval.decoder import DraftingConfig, SamplingConfig, speculative_generate
@@ -15,7 +15,7 @@ from draftsmith.eval.proposers.peagle import PEagleProposer
 from draftsmith.eval.proposers.draft import DraftModelProposer
 from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
 from draftsmith.eval.target_runner import TargetRunner
-from draftsmith.sampling import process_logits
+from draftsmith.core.sampling import process_logits
 from test_decoder_greedy import _draft_llama, _eagle_head, _repetitive_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

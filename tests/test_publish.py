@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_eval_run import eval_cfg, save_tiny_head
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.cli import main
 from draftsmith.publish import PublishConfig, run
 
@@ -214,7 +214,7 @@ def test_card_summarises_the_training_run_and_its_data(evaluated, tmp_path):
 
     from huggingface_hub import ModelCard
 
-    from draftsmith.artifacts import atomic_write_bytes, write_manifest
+    from draftsmith.core.artifacts import atomic_write_bytes, write_manifest
 
     head, _, _ = evaluated
     data = tmp_path / "data"

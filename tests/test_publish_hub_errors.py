@@ -241,7 +241,7 @@ def test_the_published_folder_holds_no_local_path(evaluated, tmp_path, monkeypat
 
 @pytest.mark.parametrize("name", ["report.md", "report.png", "report.json"])
 def test_a_linked_eval_file_is_refused(evaluated, tmp_path, name):
-    from draftsmith import DraftsmithError
+    from draftsmith.core import DraftsmithError
     from draftsmith.publish import PublishConfig, run
 
     root, head = evaluated

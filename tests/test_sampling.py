@@ -1,12 +1,12 @@
-"""One sampling rule (draftsmith.sampling) for data-gen and eval: top-p's boundary, top-k, seeds."""
+"""One sampling rule (draftsmith.core.sampling) for data-gen and eval: top-p's boundary, top-k, seeds."""
 
 import pytest
 import torch
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.batching import sample_next
 from draftsmith.data_gen.regenerate import SamplingParams
-from draftsmith.sampling import SamplingConfig, hash_seed, process_logits
+from draftsmith.core.sampling import SamplingConfig, hash_seed, process_logits
 
 
 def kept(probs: torch.Tensor) -> int:

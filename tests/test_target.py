@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from draftsmith.data_gen.target import TargetConfig, default_aux_layer_ids, load_target, smollm2_gguf_path
+from draftsmith.core.layers import default_aux_layer_ids
+from draftsmith.data_gen.target import TargetConfig, load_target, smollm2_gguf_path
 
 
 def test_default_aux_layers():

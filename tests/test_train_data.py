@@ -16,7 +16,7 @@ def make_tiny_data(folder, target, n: int = 12, min_len: int = 10, max_len: int 
     import datasets
 
     from draftsmith.data_gen.capture import capture_hidden_states
-    from draftsmith.artifacts import write_manifest
+    from draftsmith.core.artifacts import write_manifest
 
     folder = Path(folder)
     rng = random.Random(seed)
@@ -79,7 +79,7 @@ def test_every_deepspeed_option_composes(zero):
     ("garbage", "is not a readable safetensors file"),  # same size, bad header
 ])
 def test_damaged_shard_is_named_in_one_sentence(tiny_target, tmp_path, damage, needle):
-    from draftsmith import DraftsmithError
+    from draftsmith.core import DraftsmithError
     from draftsmith.train.data import load_data
 
     folder = make_tiny_data(tmp_path / "d", tiny_target, hidden_states=True)
@@ -100,7 +100,7 @@ def test_damaged_shard_is_named_in_one_sentence(tiny_target, tmp_path, damage, n
 
 
 def test_corrupt_hidden_state_index_is_named(tiny_target, tmp_path):
-    from draftsmith import DraftsmithError
+    from draftsmith.core import DraftsmithError
     from draftsmith.train.data import load_data
 
     folder = make_tiny_data(tmp_path / "d", tiny_target, hidden_states=True)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.heads.dflash import DFlashHead, block_mask, dflash_config_from_target
 from draftsmith.heads.vocab import build_vocab_map
@@ -206,7 +206,7 @@ def _train_cfg(data, out, deepspeed="none", mode="auto", **kw):
 def _resume_is_exact(tiny_data, tmp_path, deepspeed):
     from safetensors.torch import load_file
 
-    from draftsmith.methods import method_for_folder
+    from draftsmith.core.methods import method_for_folder
     from draftsmith.train.run import run
 
     full = run(_train_cfg(tiny_data, tmp_path / "full", deepspeed))

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from test_train_data import make_tiny_data
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.heads.draft import DraftLM, draft_from_model, draft_from_target, pick_layers
 from draftsmith.heads.draft_folders import save_draft
@@ -141,7 +141,7 @@ def test_resume_is_exact(tiny_data, tmp_path, deepspeed, lora):
 
 def test_topk_cache_with_k_equal_to_vocab_trains_like_online(target, tmp_path):
     """data-gen's top-k cache (data_gen/topk.py) at k = V: offline training gives the online losses."""
-    from draftsmith.artifacts import read_manifest, write_manifest
+    from draftsmith.core.artifacts import read_manifest, write_manifest
     from draftsmith.data_gen.topk import bytes_per_token, capture_topk_logits
 
     data = make_tiny_data(tmp_path / "data", target, n=8)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from draftsmith.cli import main
-from draftsmith.artifacts import read_manifest, write_manifest
+from draftsmith.core.artifacts import read_manifest, write_manifest
 from draftsmith.data_gen.target import TargetConfig, load_target
 from test_train_data import make_tiny_data
 

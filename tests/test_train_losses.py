@@ -92,7 +92,7 @@ def test_topk_with_k_equal_to_vocab_is_the_full_loss(name):
 
 
 def test_loss_spec_refusals():
-    from draftsmith import DraftsmithError
+    from draftsmith.core import DraftsmithError
 
     assert parse_loss("jsd") == {"jsd": 1.0}
     assert parse_loss("0.5*fkl + 0.5*rkl") == {"fkl": 0.5, "rkl": 0.5}

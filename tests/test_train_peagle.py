@@ -160,7 +160,7 @@ def test_gradients_reach_mask_hidden_and_embeddings_unless_frozen(setup):
 
 
 def test_config_defaults_are_speculators_and_refusals():
-    from draftsmith import DraftsmithError
+    from draftsmith.core import DraftsmithError
 
     cfg = PEagleConfig()
     assert (cfg.depths, cfg.down_sample_ratio, cfg.down_sample_ratio_min, cfg.num_layers) == (8, 0.7, 0.2, 4)
@@ -198,7 +198,7 @@ def _train_cfg(data, out, deepspeed="none", mode="auto", **kw):
 def _resume_is_exact(tiny_data, tmp_path, deepspeed):
     from safetensors.torch import load_file
 
-    from draftsmith.methods import method_for_folder
+    from draftsmith.core.methods import method_for_folder
     from draftsmith.train.run import run
 
     full = run(_train_cfg(tiny_data, tmp_path / "full", deepspeed))

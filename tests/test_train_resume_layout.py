@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.train.checkpoint import check_compatible
 
 BASE = {"method": "eagle3", "target_hash": "t", "micro_batch_size": 1, "train_samples": 64, "total_steps": 10,

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith import DraftsmithError
-from draftsmith import artifacts as mf
+from draftsmith.core import DraftsmithError
+from draftsmith.core import artifacts as mf
 from draftsmith.cli import main
 from test_outputs import cli_error, snapshot  # the same refusal and survival checks as the outputs tests
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
-from draftsmith import DraftsmithError, checks
+from draftsmith.core import DraftsmithError, checks
 from draftsmith.data_gen.target import TargetConfig, stage_target
-from draftsmith.procenv import launched_processes
+from draftsmith.core.procenv import launched_processes
 from draftsmith.train.eagle3 import Eagle3Config
 DEEPSPEED_PRESETS = ("auto", "none", "zero1", "zero2", "zero3")
 
@@ -39,7 +39,7 @@ class DeepSpeedConfig:
 @dataclass
 class TrainConfig:
     # The drafting method and its options: method=eagle3 picks configs/method/eagle3.yaml, typed by
-    # the method's dataclass in draftsmith.methods (method.draft_vocab_size=8192, ...).
+    # the method's dataclass in draftsmith.core.methods (method.draft_vocab_size=8192, ...).
     method: Any = field(default_factory=Eagle3Config)
     CHOSEN_BY_GROUP: ClassVar[tuple[str, ...]] = ("method",)
     target: TargetConfig = field(default_factory=stage_target)
@@ -80,7 +80,7 @@ class TrainConfig:
     muon_momentum: float = 0.95  # Muon's momentum (Nesterov)
     muon_weight_decay: float = 0.1  # Muon's decoupled weight decay
     grad_clip: float = 0.5  # max gradient norm; 0 = off
-    # auto (bf16 where this machine computes bf16 fast, else fp32: draftsmith.machine) | fp32 | bf16 (autocast, fp32
+    # auto (bf16 where this machine computes bf16 fast, else fp32: draftsmith.core.machine) | fp32 | bf16 (autocast, fp32
     # master weights) | fp16 (DeepSpeed loss scaling)
     precision: str = "auto"
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # config group: deepspeed=auto|none|zero1|zero2|zero3

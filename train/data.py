@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.capture import shard_problem
 from draftsmith.data_gen.dataset import HiddenStates, load_tokenized
 from draftsmith.data_gen.topk import TopkLogits

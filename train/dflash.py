@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith import DraftsmithError, checks
+from draftsmith.core import DraftsmithError, checks
 from draftsmith.heads.dflash import DFlashHead, block_mask, dflash_config_from_target
 from draftsmith.train.features import TargetSide, target_prepare, vocab_map_for
 from draftsmith.train.stats import CHAIN_STATS, STEP_STATS, summarize_steps
@@ -193,7 +193,7 @@ class DFlashStep(nn.Module):
         return dflash_loss(self.drafter, input_ids, attention_mask, loss_mask, aux, target, anchor, real, self.cfg)
 
 
-# ---- the method table's entry points (draftsmith.methods) ----------------------------------------
+# ---- the method table's entry points (draftsmith.core.methods) ----------------------------------------
 
 def new_dflash(target, cfg: DFlashConfig, train, resume: Optional[Path]) -> DFlashHead:
     """A drafter for `target`: the vocab map as EAGLE-3 builds it (on resume: the checkpoint's), embeddings and
@@ -229,7 +229,7 @@ def dflash_training(head: DFlashHead, target, cfg: DFlashConfig, mode: str,
     return DFlashStep(head, cfg), prepare
 
 
-# the method table's hooks (draftsmith.methods)
+# the method table's hooks (draftsmith.core.methods)
 Config = DFlashConfig
 new_drafter = new_dflash
 training = dflash_training

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from draftsmith import DraftsmithError, checks
+from draftsmith.core import DraftsmithError, checks
 from draftsmith.heads.draft import LORA_TARGETS, DraftLM, draft_from_model, draft_from_target, draft_scratch, pick_layers
 from draftsmith.train import losses
 
@@ -177,7 +177,7 @@ def summarize(stats: torch.Tensor) -> dict:
     return out
 
 
-# ---- the method table's entry points (draftsmith.methods) ----------------------------------------
+# ---- the method table's entry points (draftsmith.core.methods) ----------------------------------------
 
 def new_draft(target, cfg: DraftConfig, train, resume: Optional[Path]) -> DraftLM:
     """The draft for `target` as `cfg.init` says (a resumed run loads the checkpoint's weights over it)."""
@@ -230,7 +230,7 @@ def draft_training(drafter: DraftLM, target, cfg: DraftConfig, mode: str,
     return DraftStep(drafter, parse_loss(cfg.loss), T, cfg.jsd_beta), prepare
 
 
-# the method table's hooks (draftsmith.methods)
+# the method table's hooks (draftsmith.core.methods)
 Config = DraftConfig
 OFFLINE_DATA = "topk_logits"  # what mode=offline reads from a data-gen folder
 new_drafter = new_draft

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
-from draftsmith import checks
+from draftsmith.core import checks
 from draftsmith.heads.eagle3 import NORMS, Eagle3Head, eagle3_config_from_target
 from draftsmith.train.features import TargetSide, target_prepare, vocab_map_for
 from draftsmith.train.stats import CHAIN_STATS, STEP_STATS, summarize_steps
@@ -314,7 +314,7 @@ class Eagle3Step(nn.Module):
         return eagle3_loss(self.drafter, input_ids, attention_mask, loss_mask, aux, target, self.steps, self.decay)
 
 
-# ---- the method table's entry points (draftsmith.methods) ----------------------------------------
+# ---- the method table's entry points (draftsmith.core.methods) ----------------------------------------
 
 def new_eagle3(target, cfg: Eagle3Config, train, resume: Optional[Path]) -> Eagle3Head:
     """A head for `target`: the vocab map from the training rows' assistant tokens (or, on resume,
@@ -334,7 +334,7 @@ def eagle3_training(head: Eagle3Head, target, cfg: Eagle3Config, mode: str,
             target_prepare(head.t2d, target, mode, autocast))
 
 
-# the method table's hooks (draftsmith.methods)
+# the method table's hooks (draftsmith.core.methods)
 Config = Eagle3Config
 new_drafter = new_eagle3
 training = eagle3_training

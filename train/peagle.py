@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith import DraftsmithError, checks
+from draftsmith.core import DraftsmithError, checks
 from draftsmith.heads.peagle import PEagleHead, peagle_config_from_target, slot_mask
 from draftsmith.train.features import TargetSide, target_prepare, vocab_map_for
 from draftsmith.train.stats import STEP_STATS, summarize_steps
@@ -188,7 +188,7 @@ class PEagleStep(nn.Module):
                            self.decay)
 
 
-# ---- the method table's entry points (draftsmith.methods) ----------------------------------------
+# ---- the method table's entry points (draftsmith.core.methods) ----------------------------------------
 
 def new_peagle(target, cfg: PEagleConfig, train, resume: Optional[Path]) -> PEagleHead:
     """A drafter for `target`: the vocab map as EAGLE-3 builds it (on resume: the checkpoint's), embeddings and
@@ -219,7 +219,7 @@ def peagle_training(head: PEagleHead, target, cfg: PEagleConfig, mode: str,
     return PEagleStep(head, cfg.depths, cfg.depth_decay), prepare
 
 
-# the method table's hooks (draftsmith.methods)
+# the method table's hooks (draftsmith.core.methods)
 Config = PEagleConfig
 new_drafter = new_peagle
 training = peagle_training

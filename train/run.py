@@ -3,7 +3,7 @@
     draftsmith train method=eagle3 target=smollm2 data=runs/smol out=runs/eagle3 method.draft_vocab_size=8192
     torchrun --nproc_per_node 2 -m draftsmith.cli train ... deepspeed=zero2
 
-The method (`method=`, an entry of draftsmith.methods) builds the drafter, its training step and
+The method (`method=`, an entry of draftsmith.core.methods) builds the drafter, its training step and
 its saved folder; this file is the same for every method.
 
 Modes: online (the target runs in this process, features per batch under no_grad) and offline
@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from draftsmith import DraftsmithError, machine
-from draftsmith.artifacts import (OWNER, atomic_write_bytes, atomic_write_json, claim_output, clean_temporaries,
+from draftsmith.core import DraftsmithError, machine
+from draftsmith.core.artifacts import (OWNER, atomic_write_bytes, atomic_write_json, claim_output, clean_temporaries,
                                   is_empty, owner_of, prepare_output, refuse_links, remove_written)
 from draftsmith.configs import check_config
 from draftsmith.data_gen.target import load_target, resolve_target_dtype
-from draftsmith.methods import Method, method_for_config
+from draftsmith.core.methods import Method, method_for_config
 from draftsmith.train import checkpoint as ckpt
 from draftsmith.train.data import load_data
 from draftsmith.train.trainer import (Logger, TrainerConfig, autocast, evaluate, init_distributed,

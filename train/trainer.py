@@ -7,7 +7,7 @@
                                          optimizer=adamw | muon (train/optimizers.py)
     train_loop        -> dict            LR -> micro-steps -> clip + step -> log -> checkpoint
 
-The method's step (its entry in draftsmith.methods; EAGLE-3's is train/eagle3.py) is a module
+The method's step (its entry in draftsmith.core.methods; EAGLE-3's is train/eagle3.py) is a module
 `forward(**batch) -> (loss, stats)` whose `drafter` submodule is what checkpoints and the final
 folder hold; the frozen target never enters it: `prepare(batch)` computes the target side under
 no_grad before forward.
@@ -32,10 +32,10 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
 
-from draftsmith import DraftsmithError, machine
-from draftsmith.locks import stale_extension_locks
-from draftsmith.procenv import launched_processes
-from draftsmith.progress import progress
+from draftsmith.core import DraftsmithError, machine
+from draftsmith.core.locks import stale_extension_locks
+from draftsmith.core.procenv import launched_processes
+from draftsmith.core.progress import progress
 from draftsmith.train import checkpoint as ckpt
 from draftsmith.train.data import TrainData, batch_order, collate, micro_batches
 from draftsmith.train.optimizers import build_optimizer
@@ -103,8 +103,8 @@ PRECISION_DTYPES = {"auto": "auto", "fp32": "float32", "bf16": "bfloat16"}
 
 
 def resolve_precision(requested: str, device: str) -> tuple[str, str]:
-    """(fp32 | bf16 | fp16, why). auto: bf16 where draftsmith.machine finds bf16 fast on `device`, else fp32;
-    an explicit bf16 where it is slow still trains (draftsmith.machine warns once)."""
+    """(fp32 | bf16 | fp16, why). auto: bf16 where draftsmith.core.machine finds bf16 fast on `device`, else fp32;
+    an explicit bf16 where it is slow still trains (draftsmith.core.machine warns once)."""
     if requested == "fp16":
         return "fp16", "as requested"
     dtype, why = machine.resolve_dtype(PRECISION_DTYPES[requested], device)
@@ -292,7 +292,7 @@ def wandb_mode(mode: str) -> str:
 
 
 class Logger:
-    """metrics.jsonl + wandb + a progress bar (draftsmith.progress), on rank 0 only.
+    """metrics.jsonl + wandb + a progress bar (draftsmith.core.progress), on rank 0 only.
 
     A fresh run (start == 0) starts metrics.jsonl clean; a resumed one appends (run.py has already
     dropped the records past the checkpoint). If wandb cannot start (no network, bad key), one

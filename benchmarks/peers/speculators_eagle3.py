@@ -66,7 +66,7 @@ The head's EAGLE-3.1 norms are NOT in draftsmith's EAGLE-3 head (heads/eagle3.py
     norm_output                                  the next step's h is norm(h'), not the pre-norm h'
 None of them can be folded into draftsmith's tensors exactly (input_norm divides by the RMS of the whole 3H vector,
 a nonlinearity fc cannot absorb; the other two change the layer's dataflow). So this script never converts such a
-head to a draftsmith EAGLE-3 folder: `eval` registers a method row (draftsmith.methods.register) whose loader builds
+head to a draftsmith EAGLE-3 folder: `eval` registers a method row (draftsmith.core.methods.register) whose loader builds
 `SpeculatorsEagle3Head`, draftsmith's EAGLE-3 head plus those norms, from the speculators folder itself, and
 draftsmith's own EAGLE-3 proposer drafts with it; tests/test_peer_speculators.py proves it computes speculators'
 logits. vLLM reads all four flags from the speculators config.json. The draft layer is a sliding-window layer
@@ -176,7 +176,7 @@ def convert(data_dir: str | Path, out_dir: str | Path, train_rows: list[int], va
     import torch
     from safetensors.torch import save_file
 
-    from draftsmith import DraftsmithError
+    from draftsmith.core import DraftsmithError
     from draftsmith.data_gen.dataset import load_tokenized
     from draftsmith.train.data import open_hidden_states
 
@@ -427,10 +427,10 @@ def _jsonable(value):
 def process_settings() -> dict:
     """draftsmith's CLI process settings, applied here too so both trainers run alike: OpenMP's short spin
     (before torch loads), torch threads = the cores this process may use, subnormals flushed to zero."""
-    from draftsmith import procenv
+    from draftsmith.core import procenv
 
     spin = procenv.share_cores()
-    from draftsmith import machine
+    from draftsmith.core import machine
 
     threads, why = machine.use_threads()
     return {"omp_spin_env_set": spin, "torch_threads": threads, "threads_why": why,
@@ -440,10 +440,10 @@ def process_settings() -> dict:
 def load_target_lazily(name: str):
     """draftsmith's target (tokenizer, config, identity; no weights) and the HF folder speculators reads as the
     verifier (a GGUF target's cached safetensors copy)."""
-    from draftsmith import DraftsmithError
+    from draftsmith.core import DraftsmithError
     from draftsmith.data_gen.target import TargetConfig, load_target
-    from draftsmith.engine import served_folder
-    from draftsmith.heads.kit import default_aux_layer_ids
+    from draftsmith.core.engine import served_folder
+    from draftsmith.core.layers import default_aux_layer_ids
 
     try:
         target = load_target(TargetConfig(name=name), lazy=True, layers=default_aux_layer_ids)
@@ -550,14 +550,14 @@ def cmd_train(args) -> dict:
 
 def write_head_manifest(folder: Path, identity: dict, args) -> None:
     """draftsmith's manifest beside the speculators files: eval refuses the head beside another target."""
-    from draftsmith.artifacts import write_manifest
+    from draftsmith.core.artifacts import write_manifest
 
     write_manifest(folder, "peer", identity, {}, peer="speculators 0.9 EAGLE-3 trainer (benchmarks/peers)",
                    format="speculators")
 
 
 def _rows(args, target) -> tuple[list[int], list[int]]:
-    from draftsmith import DraftsmithError
+    from draftsmith.core import DraftsmithError
     from draftsmith.data_gen.dataset import load_tokenized
 
     try:
@@ -708,7 +708,7 @@ def load_speculators_folder(folder: str | Path, device="cpu", dtype=None, target
     gets the identity map; a folder without embed_tokens takes the target's."""
     import torch
 
-    from draftsmith import DraftsmithError
+    from draftsmith.core import DraftsmithError
     from draftsmith.heads.folders import EMBED, WEIGHTS, build_head, read_checked_tensors, with_target_embeddings
 
     folder = Path(folder)
@@ -749,7 +749,7 @@ def to_eagle3(speculators_dir: str | Path, out_dir: str | Path) -> Path:
     """A speculators EAGLE-3 folder without the EAGLE-3.1 norms -> draftsmith's EAGLE-3 folder, exactly:
     layers.0.* -> midlayer.*, fc / norm / lm_head / embed_tokens / d2t / t2d unchanged (the identity map added for
     a full-vocab head), written by draftsmith's own save_eagle3 (config LlamaForCausalLMEagle3, manifest)."""
-    from draftsmith.artifacts import read_manifest
+    from draftsmith.core.artifacts import read_manifest
     from draftsmith.heads.eagle3 import Eagle3Head
     from draftsmith.heads.eagle3_folders import save_eagle3
 
@@ -768,7 +768,7 @@ def to_eagle3(speculators_dir: str | Path, out_dir: str | Path) -> Path:
     return save_eagle3(head, Path(out_dir), manifest_target=identity, stage="export")
 
 
-# ---- the method table's hooks (draftsmith.methods), for `eval` -------------------------------------
+# ---- the method table's hooks (draftsmith.core.methods), for `eval` -------------------------------------
 
 ARCHITECTURES = (SPECULATORS_ARCHITECTURE,)
 FORMATS: dict = {}  # export writes nothing for this row: the speculators folder is already vLLM's format
@@ -779,13 +779,13 @@ def claims(config: dict) -> bool:
 
 
 def target_layer_ids(num_layers: int) -> list[int]:
-    from draftsmith.heads.kit import default_aux_layer_ids
+    from draftsmith.core.layers import default_aux_layer_ids
 
     return default_aux_layer_ids(num_layers)
 
 
 def load(folder: Path, target=None):
-    from draftsmith import DraftsmithError
+    from draftsmith.core import DraftsmithError
 
     config = json.loads((Path(folder) / "config.json").read_text())
     if target is None:
@@ -812,11 +812,11 @@ def save(drafter, folder, identity):
 
 
 def register_method() -> None:
-    """Add the row `speculators_eagle3` to draftsmith's method table (draftsmith.methods.register): folders with
+    """Add the row `speculators_eagle3` to draftsmith's method table (draftsmith.core.methods.register): folders with
     architectures [Eagle3DraftModel] and speculators_model_type eagle3 load with this module's `load`, and
     draftsmith's own EAGLE-3 proposer drafts with them; vLLM serves them as eagle3."""
-    from draftsmith.engine import Engines
-    from draftsmith.methods import Method, register
+    from draftsmith.core.engine import Engines
+    from draftsmith.core.methods import Method, register
 
     module = __name__ if __name__ in sys.modules else "__main__"
     register(Method("speculators_eagle3", folders=module, proposers="draftsmith.eval.proposers.eagle3",

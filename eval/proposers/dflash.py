@@ -24,12 +24,12 @@ from typing import Optional
 
 import torch
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.eval.decoder import Draft, DraftingConfig
 from draftsmith.eval.proposers.kit import eval_head
 from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.kit import StaticKVCache
-from draftsmith.sampling import SamplingConfig, process_logits
+from draftsmith.core.sampling import SamplingConfig, process_logits
 
 
 class DFlashProposer:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.eval.proposers.kit import ModelProposer
 from draftsmith.eval.target_runner import TargetRunner
 

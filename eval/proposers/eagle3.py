@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.eval.proposers.kit import ModelProposer, eval_head
 from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.heads.kit import StaticKVCache

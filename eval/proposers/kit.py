@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 from draftsmith.eval.decoder import Draft, DraftingConfig
-from draftsmith.sampling import SamplingConfig, process_logits
+from draftsmith.core.sampling import SamplingConfig, process_logits
 
 
 class ModelProposer:

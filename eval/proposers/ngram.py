@@ -3,12 +3,12 @@ from the context when it has a match, the head's draft otherwise."""
 
 from __future__ import annotations
 
-from draftsmith import DraftsmithError
-from draftsmith.engine import Engines
+from draftsmith.core import DraftsmithError
+from draftsmith.core.engine import Engines
 from draftsmith.eval.decoder import Draft, DraftingConfig
-from draftsmith.sampling import SamplingConfig
+from draftsmith.core.sampling import SamplingConfig
 
-# prompt lookup in the engines (eval's own method: no folder, no row in draftsmith.methods)
+# prompt lookup in the engines (eval's own method: no folder, no row in draftsmith.core.methods)
 NGRAM_ENGINES = Engines(vllm="ngram", sglang="NGRAM", draft_folder=False, llamacpp="ngram-simple")
 
 NGRAM_MATCHES = ("latest", "earliest")  # which occurrence of the suffix a draft copies from (earliest = vLLM's)

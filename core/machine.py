@@ -13,10 +13,10 @@ never a timing: every rank of a job, and every run on the same kind of machine, 
 AVX512_BF16 and no AMX: bf16 matmul 3.3x and 3.9x faster than fp32 in two runs; a timed rule wrote the two
 figures into two manifests that then differed.) An explicit bf16 where it is slow still runs, with one warning
 that says how much slower it measured. Each decision is made once per process and logged once (logger
-draftsmith.machine: one line, at INFO; the CLI shows it).
+draftsmith.core.machine: one line, at INFO; the CLI shows it).
 
 What must act before torch is imported (the OpenMP wait policy) and what needs no torch (cores, the launch's
-process counts) is in draftsmith.procenv, standard library only; this module adds what needs torch.
+process counts) is in draftsmith.core.procenv, standard library only; this module adds what needs torch.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from draftsmith import DraftsmithError, procenv
+from draftsmith.core import DraftsmithError, procenv
 
 log = logging.getLogger(__name__)
 

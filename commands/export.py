@@ -1,6 +1,6 @@
 """`draftsmith export`: write a trained drafter in an engine's format.
 
-The head folder's method (draftsmith.methods, by its config.json `architectures`) loads it and
+The head folder's method (draftsmith.core.methods, by its config.json `architectures`) loads it and
 names its formats, e.g. for EAGLE-3 heads `format=eagle3` (the folder vLLM and SGLang load,
 heads/eagle3_folders.py) and `format=speculators` (vLLM's speculators format, the same file).
 """
@@ -16,12 +16,12 @@ from typing import Optional
 import torch
 from omegaconf.errors import MissingMandatoryValue
 
-from draftsmith import DraftsmithError, checks
-from draftsmith.artifacts import MANIFEST, claim_output, owns, prepare_output, read_manifest
+from draftsmith.core import DraftsmithError, checks
+from draftsmith.core.artifacts import MANIFEST, claim_output, owns, prepare_output, read_manifest
 from draftsmith.data_gen.target import DTYPES, KNOWN_TARGETS, PRESETS, TargetConfig, load_target, torch_dtype
-from draftsmith.engine import NUM_SPECULATIVE_TOKENS, served_folder
+from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS, served_folder
 from draftsmith.heads.folders import CONFIG, FormatOptions
-from draftsmith.methods import export_formats, method_for_folder
+from draftsmith.core.methods import export_formats, method_for_folder
 
 
 @dataclass

@@ -22,7 +22,7 @@ A method has the same files in each stage, each with the same hooks; its row onl
 A row names the modules (imported when a stage first asks for a hook, so `draftsmith eval` never imports
 training code and `draftsmith train` never imports eval's); a method defined outside draftsmith registers
 its row with `register`. A row without `training` can be evaluated (its folders loaded and drafted with) but
-not trained. A row's `engines` (draftsmith.engine.Engines) are vLLM's and SGLang's names for the method: eval's
+not trained. A row's `engines` (draftsmith.core.engine.Engines) are vLLM's and SGLang's names for the method: eval's
 recommended serving settings and publish's card come from them (eval/cost.py `serving_settings`).
 """
 
@@ -37,8 +37,8 @@ from typing import Any, Callable, Optional, Protocol
 
 from omegaconf import OmegaConf
 
-from draftsmith import DraftsmithError
-from draftsmith.engine import Engines
+from draftsmith.core import DraftsmithError
+from draftsmith.core.engine import Engines
 
 
 # ---- the hooks each module holds ------------------------------------------------------------------------

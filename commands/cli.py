@@ -17,8 +17,8 @@ import inspect
 import re
 import sys
 
-from draftsmith import procenv
-from draftsmith.methods import trainable  # the table's names only: nothing of a method (nor torch) is imported
+from draftsmith.core import procenv
+from draftsmith.core.methods import trainable  # the table's names only: nothing of a method (nor torch) is imported
 
 # subcommand -> (module holding `run(cfg)`, config name under draftsmith/configs)
 SUBCOMMANDS = {
@@ -50,7 +50,7 @@ HYDRA_OWN = ("multirun", "config_path", "config_name", "config_dir", "shell_comp
 
 
 def version() -> str:
-    from draftsmith import __version__
+    from draftsmith.core import __version__
 
     return f"draftsmith {__version__}"
 
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     module_name, config_name = SUBCOMMANDS[command]
     procenv.share_cores()  # OpenMP reads its wait policy when torch loads it: before anything imports torch
 
-    from draftsmith import DraftsmithError
+    from draftsmith.core import DraftsmithError
 
     def fail(e: DraftsmithError):
         print(f"draftsmith {command}: error: {e}", file=sys.stderr)
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import hydra
 
-    from draftsmith import machine  # (imports torch: after share_cores)
+    from draftsmith.core import machine  # (imports torch: after share_cores)
     from draftsmith.configs import check_config, register_configs
 
     machine.use_threads()  # the cores this process may use, shared among its job's processes on this node

@@ -33,16 +33,17 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from draftsmith import DraftsmithError, checks
-from draftsmith.artifacts import (MANIFEST, OWNER, RECORD, atomic_folder, atomic_write_bytes, atomic_write_json,
+from draftsmith.core import DraftsmithError, checks
+from draftsmith.core.artifacts import (MANIFEST, OWNER, RECORD, atomic_folder, atomic_write_bytes, atomic_write_json,
                                           claim_output, prepare_output, read_manifest, read_record)
 from draftsmith.data_gen.target import DTYPES, KNOWN_TARGETS, PRESETS, torch_dtype
-from draftsmith.engine import NUM_SPECULATIVE_TOKENS, Engines
+from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS, Engines
 from draftsmith.eval.cost import serving_settings
 from draftsmith.export import is_set
 from draftsmith.heads.folders import FormatOptions
-from draftsmith.heads.folders import WEIGHTS, check_weights_file, weights_sha256
-from draftsmith.methods import export_formats, method_for_folder, read_folder_config
+from draftsmith.core.trust import check_weights_file
+from draftsmith.heads.folders import WEIGHTS, weights_sha256
+from draftsmith.core.methods import export_formats, method_for_folder, read_folder_config
 
 REPO_ID_RULE = "<owner>/<name>, letters, digits, '-', '_' and '.', at most 96 characters"
 
@@ -116,7 +117,7 @@ def refuse_links(*paths: Path) -> None:
 
 
 def head_folder(head: str | Path):
-    """(the head folder `head=` names: the folder itself or its final/, its method from draftsmith.methods);
+    """(the head folder `head=` names: the folder itself or its final/, its method from draftsmith.core.methods);
     its weights checked and no file in it a link, before any work."""
     path = Path(str(head))
     folder = next((f for f in (path, path / "final") if (f / "config.json").is_file()), None)
@@ -491,7 +492,7 @@ def write_formats(folder: Path, tmp: Path, formats: list[str], cfg, base_model: 
 def write_publish_folder(cfg, out: Path, folder: Path, report: Optional[tuple[dict, Path]], base_model: str,
                          license: str, k: int, method, public: Optional["PublicPaths"] = None) -> Path:
     """The Hub-ready folder (atomically): formats, eval/ (report + plot), README.md; `method`: the folder's
-    entry in draftsmith.methods (`head_folder` finds it); `public`: the local paths its text files must not hold
+    entry in draftsmith.core.methods (`head_folder` finds it); `public`: the local paths its text files must not hold
     (`public_paths`), rewritten last."""
     # by default every format but gguf, which needs llama.cpp's converter built here (formats=[..., gguf] adds it)
     formats = list(cfg.formats) if cfg.formats is not None else [f for f in method.formats if f != "gguf"]

@@ -1,6 +1,6 @@
 """data-gen's backend=vllm inside vLLM's own venv: `python vllm_generate.py job.json result.json`.
 
-Run by path with the engine's python (draftsmith.engine.run_job(job, worker=<this file>)); it imports only the
+Run by path with the engine's python (draftsmith.core.engine.run_job(job, worker=<this file>)); it imports only the
 standard library, vLLM and its sibling vllm_worker.py (the same rule), never draftsmith. One `LLM` on the job's
 target folder in the job's dtype with `max_num_seqs` sequences at most; every prompt (token ids, rendered and
 tokenized by draftsmith) is added to its engine at once and the engine is stepped until all are finished, so vLLM
@@ -136,7 +136,7 @@ def run(job: dict, log: LogLines) -> dict:
 def main(argv: list[str]) -> int:
     job, log, versions = start(argv[1])
     result_path = argv[2]
-    marker(RUN, "begin")  # draftsmith.engine attaches the lines of vLLM's processes in between to the run
+    marker(RUN, "begin")  # draftsmith.core.engine attaches the lines of vLLM's processes in between to the run
     try:
         outcome = run(job, log)
     finally:

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 from torch.utils.cpp_extension import get_default_build_root
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 
 
 def rank_world() -> tuple[int, int]:

@@ -1,5 +1,5 @@
-"""Artifacts (`draftsmith.artifacts`): manifests, atomic writes and output-folder ownership, used by
-every stage, so it lives in the package root beside the CLI and the method table.
+"""Artifacts (`draftsmith.core.artifacts`): manifests, atomic writes and output-folder ownership, used by
+every stage, so it lives in the core (core/) beside the method table.
 
 Every artifact is a folder with `manifest.json`: schema version, the stage that produced it,
 the target's identity (id, hash, tokenizer hash, sizes) and counts. A stage checks its input's
@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from draftsmith import DraftsmithError, __version__
+from draftsmith.core import DraftsmithError, __version__
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"

@@ -39,13 +39,13 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from draftsmith import DraftsmithError, checks, llamacpp
-from draftsmith import artifacts as mf
-from draftsmith.artifacts import atomic_write_bytes, atomic_write_json
+from draftsmith.core import DraftsmithError, checks, llamacpp
+from draftsmith.core import artifacts as mf
+from draftsmith.core.artifacts import atomic_write_bytes, atomic_write_json
 from draftsmith.configs import compose
 from draftsmith.data_gen.run import run as data_gen_run
 from draftsmith.data_gen.target import load_target
-from draftsmith.engine import NUM_SPECULATIVE_TOKENS
+from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS
 from draftsmith.eval.run import run as eval_run
 from draftsmith.train.checkpoint import list_checkpoints
 from draftsmith.train.run import run as train_run

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 
 @dataclass(frozen=True)
 class Engines:
-    """What the serving engines call a method: its row in draftsmith.methods holds one (n-gram's is eval's).
+    """What the serving engines call a method: its row in draftsmith.core.methods holds one (n-gram's is eval's).
 
     eval/cost.py `serving_settings` turns it into vLLM's --speculative-config and SGLang's flags; nothing else
     knows the engines' names for a method."""
@@ -56,7 +56,7 @@ LOG_TAIL = 4000  # characters of the engine's log quoted in an error
 
 def _venv_candidates() -> list[Path]:
     """.venv-vllm beside the venv this python runs in, and at the root of the checkout this file is in."""
-    here = Path(__file__).resolve().parent.parent  # the checkout (editable install): scripts/ is draftsmith
+    here = Path(__file__).resolve().parents[1]  # the checkout (editable install): core/ is draftsmith.core
     return [Path(sys.prefix).resolve().parent / VENV / "bin" / "python", here / VENV / "bin" / "python"]
 
 

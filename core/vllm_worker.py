@@ -1,6 +1,6 @@
 """Run one engine job inside vLLM's own venv: `python vllm_worker.py job.json result.json`.
 
-This file is run by path with the engine's python (draftsmith.engine); it imports only the standard
+This file is run by path with the engine's python (draftsmith.core.engine); it imports only the standard
 library and vLLM, never draftsmith (whose venv pins another transformers). The job names a target folder,
 prompts as token ids and a list of runs (target-only or one `speculative_config` each); every run gets its
 own `LLM` (built one after the other in this process, so vLLM is imported once) and decodes every prompt
@@ -146,7 +146,7 @@ def run_one(job: dict, run: dict, log: LogLines) -> dict:
 
 def marker(name: str, edge: str) -> None:
     """A line in the job's log (all of vLLM's processes write there) that opens or closes this run's lines:
-    draftsmith.engine attaches each run's warnings to it, those of vLLM's worker processes included."""
+    draftsmith.core.engine attaches each run's warnings to it, those of vLLM's worker processes included."""
     print(f"{MARKER} {edge} {name}", flush=True)
 
 

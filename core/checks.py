@@ -7,7 +7,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 
 
 def at_least(name: str, value, low, *, null: Optional[str] = None) -> None:

@@ -2,7 +2,7 @@
 
 Standard library only, because part of it must act before torch is imported: the OpenMP runtime torch loads
 (libgomp, or Intel's libiomp) reads its wait policy from the environment when it is loaded, so
-`share_cores()` runs at the very start of the CLI, before anything imports torch. draftsmith.machine (what
+`share_cores()` runs at the very start of the CLI, before anything imports torch. draftsmith.core.machine (what
 the hardware can do: bf16, threads applied, machine_info) builds on it.
 
     share_cores()          GOMP_SPINCOUNT=10000 (and KMP_BLOCKTIME=1) unless the user set how OpenMP waits

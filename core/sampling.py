@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftsmith import DraftsmithError
+from draftsmith.core import DraftsmithError
 
 
 @dataclass

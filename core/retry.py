@@ -1,6 +1,6 @@
 """Bounded retries with exponential backoff and jitter, for calls to a remote service.
 
-    from draftsmith.retry import Backoff, Transient, call, retryable_status, retry_after_s
+    from draftsmith.core.retry import Backoff, Transient, call, retryable_status, retry_after_s
 
     def once():
         r = client.post(...)

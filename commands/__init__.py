@@ -1,0 +1,8 @@
+"""draftsmith: train drafters for speculative decoding and measure what they are worth.
+
+This folder (commands/) is the package root: the `draftsmith` command (cli.py) and the stages above train and eval
+(export, publish, demo). The rest is mapped in from the card's folders (docs/layout.md)."""
+
+from draftsmith.core import DraftsmithError, __version__
+
+__all__ = ["DraftsmithError", "__version__"]
