@@ -2,7 +2,7 @@
 
     draftsmith demo                       # sized to budget_min=20 minutes on this machine; out=runs/demo
     draftsmith demo budget_min=10         # a smaller plan
-    draftsmith demo flavour=smollm2-fixed # the fixed sizes of the README's earlier figures (480 prompts, 960 steps)
+    draftsmith demo flavour=smollm2-fixed # the fixed sizes of the earlier demo figures (480 prompts, 960 steps)
     draftsmith demo flavour=smollm2-long  # the learning curve's largest point (720 prompts, 1440 steps)
     draftsmith demo flavour=tiny          # the random tiny target, a few steps: CI, < 1 minute
 
@@ -62,7 +62,7 @@ FLAVOURS = {
     # learning curve's recipe, benchmarks/bench_learning_curve.py); lr 3e-3: the best held-out E[tau] per minute of
     # training among 3e-4 / 1e-3 / 3e-3 (benchmarks/bench_sample_efficiency.py).
     "smollm2": dict(SMOLLM2, budget=True),
-    # The fixed sizes the README's earlier figures were measured with (17 min 36 s on a 2-core Intel Xeon with
+    # The fixed sizes the earlier demo figures (docs/benchmarks.md) were measured with (17 min 36 s on a 2-core Xeon with
     # AMX-bf16, 2026-11-30): 480 samples seen twice. On a CPU without native bf16 it takes far longer.
     "smollm2-fixed": dict(SMOLLM2, budget=False),
     # The learning curve's largest point as a demo: 720 samples seen twice, lr 1e-3 as the curve was measured

@@ -18,19 +18,8 @@ Output (`out/`; see draftsmith.data_gen.dataset for the reader's contract):
                                end the run with one sentence, exit 2, after each is named on stderr)
   .data_gen.lock               while a run writes to `out`: its pid and host (a second run is refused)
 
-Ranks: with RANK / WORLD_SIZE set (torchrun), the prompts are cut into chunks of `regenerate_chunk`;
-rank r takes chunks r, r + world_size, ... and writes `out/parts/rankNNNNN/` (its conversations,
-tokenized rows, counts and key). The rank that finds every part done (and wins `out/parts/.merge.lock`)
-merges them in prompt order into `out/`. Without hidden states it writes the manifest and the other
-ranks are done. With `hidden_states=true` the other ranks wait for the merged set (out/.data_gen_key
-naming this run's key; DRAFTSMITH_RANK_WAIT_S, default 3600, seconds without any sign of progress
-from the other ranks before giving up), then every rank captures the shards s with
-s % world_size == r on its own device (target.device=cuda means cuda:LOCAL_RANK); the rank that
-finds every shard finished (and wins `out/hidden_states/.finalize.lock`) writes index.json,
-config.yaml and the manifest. With `prompts=self` every rank samples the same seeded prompt set and
-keeps its chunks. The ranks coordinate through these files only (no torch.distributed), so `out`
-must be on a filesystem they all see. If the tokenized set is already finished with this run's key,
-no rank regenerates or merges (every rank captures; without hidden states rank 0 writes the manifest).
+Ranks: under torchrun (RANK / WORLD_SIZE set) the ranks split the prompts, then the hidden-state shards,
+and coordinate through files in `out` (its parts/, the merge and finalize locks): see draftsmith.data_gen.ranks.
 
 The target's weights are loaded the first time they are used (load_target(lazy=True)): a run with
 `backend=openai` or `backend=vllm` and no hidden states reads only the tokenizer, chat template and config.
@@ -55,52 +44,38 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import datasets
-import torch
 from omegaconf import OmegaConf
 
 from draftsmith.core import DraftsmithError
 from draftsmith.core import artifacts as mf
 from draftsmith.data_gen.capture import WRITTEN as CAPTURE_FILES
-from draftsmith.data_gen.capture import (FEATURE_SOURCES, capture_hidden_states, finished_shards, num_shards,
-                                        write_index)
+from draftsmith.data_gen.capture import FEATURE_SOURCES, capture_hidden_states, num_shards
 from draftsmith.data_gen.filters import filter_answers
 from draftsmith.data_gen.prompts import filter_counts_text, load_prompts
+from draftsmith.data_gen.ranks import (FINALIZE, KEY, PARTS, STATE, acquire_lock, another_rank_writes_the_manifest,
+                                       claim_merge, finish_capture, part_folder, rank_chunks, rank_result,
+                                       read_counts, read_parts, release_locks, remove_parts, set_ready,
+                                       use_rank_device, wait_for_merged_set)
 from draftsmith.data_gen.regenerate import BACKENDS, SamplingParams, make_backend, regenerate_all
-from draftsmith.data_gen.target import load_target, resolve_target_dtype, torch_dtype
+from draftsmith.data_gen.target import Target, load_target, resolve_target_dtype, torch_dtype
 from draftsmith.data_gen.tokenize import tokenize_samples
 from draftsmith.data_gen.topk import WRITTEN as TOPK_FILES
 from draftsmith.data_gen.topk import capture_topk
-from draftsmith.core.locks import acquire_lock as claim_run, claim_dir, claim_file, rank_world, release_lock
-from draftsmith.core.locks import wait_while_progressing
+from draftsmith.core.locks import rank_world
 from draftsmith.core.methods import methods
 from draftsmith.core.progress import progress
 
-COUNT_KEYS = ("prompts", "samples", "tokens", "loss_tokens", "truncated", "dropped", "failed")
-STATE = ".data_gen_counts.json"  # counts of a finished tokenized set, for resume and merge
-KEY = ".data_gen_key"  # what the finished tokenized set was made from (prompts + settings), for resume
 REGEN = "regenerated"  # finished regeneration chunks
-LOCK = ".data_gen.lock"  # held while a run writes to `out`
-FINALIZE = ".finalize.lock"  # in hidden_states/: held by the rank writing the final index and manifest (ranks)
-SUBFOLDERS = ("conversations", "tokenized", "hidden_states", "topk_logits", REGEN, "parts")  # what data-gen writes in out/
+SUBFOLDERS = ("conversations", "tokenized", "hidden_states", "topk_logits", REGEN, PARTS)  # what data-gen writes in out
 # The names data-gen writes in each folder, whose temporaries a killed run may leave (a rerun removes them).
 TEMPORARIES = {"": (*SUBFOLDERS, "config.yaml", mf.MANIFEST, mf.OWNER, STATE, KEY),
                REGEN: ("chunk_*.json", "self_prompts.json"), "hidden_states": CAPTURE_FILES, "topk_logits": TOPK_FILES}
-
-
-def acquire_lock(out: Path, rank: int = 0) -> Path:
-    """Create `out/.data_gen.lock` (pid, host) atomically; refuse while a live run holds it.
-
-    A lock left by a run that died on this host (its pid is gone) is stale and taken over. Under
-    torchrun each rank has its own lock file, so ranks of one job do not exclude each other.
-    """
-    return claim_run(out / (LOCK if rank == 0 else f".data_gen.rank{rank:05d}.lock"), "data-gen")
 
 
 def check_out_folder(out: Path, identity: dict) -> None:
@@ -384,46 +359,45 @@ def write_sets(folder: Path, conversations: list[dict], rows: list[dict], counts
     mf.atomic_write_json(folder / STATE, counts)
 
 
-def merge_parts(out: Path, world: int) -> dict:
-    """Assemble every rank's part into `out` in the original prompt order; returns the counts."""
-    convs, rows, counts = [], [], {k: 0 for k in COUNT_KEYS}
-    for r in range(world):
-        part = out / "parts" / f"rank{r:05d}"
-        part_counts = mf_read_json(part / STATE)
-        for k, v in part_counts.items():
-            counts[k] = counts.get(k, 0) + v  # (filtered_answers_* too)
-        if part_counts["samples"] == 0:  # (datasets cannot load an empty set back)
-            continue
-        convs += datasets.load_from_disk(str(part / "conversations")).to_list()
-        rows += datasets.load_from_disk(str(part / "tokenized")).to_list()
-    convs.sort(key=lambda c: c["order"])
-    rows.sort(key=lambda c: c["order"])
-    write_sets(out, convs, rows, counts, keep_order=False)
-    return counts
-
-
-def mf_read_json(path: Path) -> dict:
-    return json.loads(path.read_text())
-
-
-def _part_done(out: Path, rank: int, key: str) -> bool:
-    """Rank `rank`'s part is finished and made with `key` (a part left by an earlier run with other
-    settings is not)."""
-    part = out / "parts" / f"rank{rank:05d}"
-    try:
-        return (part / STATE).is_file() and (part / KEY).read_text() == key
-    except OSError:
-        return False
-
-
-def _claim_merge(out: Path, world: int, key: str) -> bool:
-    """True for the one rank that should merge: every part is done and it created the lock."""
-    return all(_part_done(out, r, key) for r in range(world)) and claim_dir(out / "parts" / ".merge.lock")
-
+# --- the stage: prompts -> sets -> capture -> manifest --------------------------------------------
 
 def run(cfg) -> dict:
-    """Run the stage; returns a summary dict (paths, counts, seconds)."""
+    """Run the stage; returns a summary dict (paths, counts, seconds).
+
+    Under torchrun a rank whose share is done while another rank finishes returns its own summary
+    (draftsmith.data_gen.ranks)."""
     t0 = time.perf_counter()
+    out, target, identity, dtype_why, rank, world = prepare(cfg)
+    lock = acquire_lock(out, rank)
+    remove_temporaries(out, world)
+    finalize = None  # the lock of the rank that writes the final index and manifest (ranks, hidden states)
+    try:
+        samples, prompts_filtered = read_prompts(cfg, target, identity, out)
+        settings = regeneration_settings(cfg, identity)
+        key = sets_key(cfg, identity, samples, settings)
+        state, part_counts = build_sets(cfg, target, samples, out, settings, key, rank, world)
+        if another_rank_writes_the_manifest(cfg.hidden_states, state, rank, world):
+            return rank_result(out, rank, world, state, t0, counts=part_counts)
+        if world == 1 or not cfg.hidden_states:  # (ranks that capture: the rank that finishes it writes it, below)
+            write_config(cfg, out)
+        counts = set_counts(out, prompts_filtered)
+        hidden, captured, finalize = capture(cfg, target, out, rank, world)
+        if captured is not None and finalize is None:  # another rank finishes the capture and writes the manifest
+            return rank_result(out, rank, world, state, t0, captured, part_counts or counts)
+        if finalize is not None:  # this rank finished the capture: it writes config.yaml and the manifest
+            write_config(cfg, out)
+        topk = capture_topk(cfg, target, out)  # draft distillation's offline signal (data_gen/topk.py)
+        mf.write_manifest(out, stage="data_gen", target=identity, counts=counts, hidden_states=hidden,
+                          topk_logits=topk, target_dtype={"dtype": cfg.target.dtype, "why": dtype_why})
+    finally:
+        release_locks(finalize, lock)
+    return {"out": str(out), "rank": rank, "world_size": world, "merged": True, "counts": counts,
+            "hidden_states": hidden, "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def prepare(cfg) -> tuple[Path, Target, dict, str, int, int]:
+    """Check `out` and the settings (before any work), place this rank, load the target (lazily);
+    (out, target, its identity, why its dtype, rank, world size)."""
     out = mf.prepare_output(cfg.out, "data_gen", [("prompts.path", cfg.prompts.path), ("target", cfg.target.name)],
                             overwrite=bool(cfg.overwrite))
     mf.refuse_links(out, SUBFOLDERS)  # never written (nor removed) through
@@ -437,62 +411,52 @@ def run(cfg) -> dict:
     identity = target.identity()
     check_out_folder(out, identity)
     mf.claim_output(out, "data_gen")  # before the first write: a rerun then knows the folder as its own
-    lock = acquire_lock(out, rank)
-    if world == 1:  # (ranks write the same folders at once: a temporary there may be another rank's, in use)
+    return out, target, identity, dtype_why, rank, world
+
+
+def remove_temporaries(out: Path, world: int) -> None:
+    """What a killed run left under draftsmith's temporary names; one process only (ranks write the same
+    folders at once: a temporary there may be another rank's, in use)."""
+    if world == 1:
         for name, names in TEMPORARIES.items():
-            mf.clean_temporaries(out / name, names)  # what a killed run left under draftsmith's temporary names
-    finalize = None  # the lock of the rank that writes the final index and manifest (ranks, hidden states)
-    try:
-        samples, prompts_filtered = load_prompts_cached(cfg, target, identity, out)
-        for i, s in enumerate(samples):
-            s["order"] = i  # the prompt's index: rank parts are merged back in this order
-        settings = regeneration_settings(cfg, identity)
-        key = _digest({"prompts": _prompt_fingerprint(samples), "regenerate": settings if cfg.regenerate else None,
-                       "tokenize": [identity["tokenizer_hash"], cfg.max_length, cfg.on_overflow, cfg.reasoning],
-                       **({"filters": _as_dict(cfg.filters)} if cfg.filters.answers else {})})
-        part_counts = None
-        if world == 1:
-            build_sets(cfg, target, samples, out, settings, key)
-        else:
-            state, part_counts = build_part_or_merge(cfg, target, samples, out, settings, key, rank, world)
-            if not cfg.hidden_states and not (state == "merged" or (state == "ready" and rank == 0)):
-                return {"out": str(out), "rank": rank, "world_size": world, "merged": False, "state": state,
-                        "captured": None, "counts": part_counts or mf_read_json(out / STATE),
-                        "seconds": round(time.perf_counter() - t0, 2)}
-            if state == "part":  # (hidden states) the last rank to finish its part merges: wait for it
-                wait_for_merged_set(out, key, rank, world)
-        if world == 1 or not cfg.hidden_states:
-            mf.atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
-        counts = {**mf_read_json(out / STATE), **prompts_filtered}
-        if counts["samples"] == 0:
-            raise DraftsmithError(f"no sample survived data-gen (counts: {counts}); nothing usable in {out}.")
-        hidden = capture(cfg, target, out, rank, world)
-        if world > 1 and cfg.hidden_states:
-            captured = {k: hidden.pop(k) for k in ("captured", "kept")}
-            finalize = hidden.pop("finalize")
-            if finalize is None:  # another rank's shards are not all there yet, or it writes the index
-                return {"out": str(out), "rank": rank, "world_size": world, "merged": False, "state": state,
-                        "captured": captured, "counts": part_counts or counts,
-                        "seconds": round(time.perf_counter() - t0, 2)}
-            mf.atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
-        topk = capture_topk(cfg, target, out)  # draft distillation's offline signal (data_gen/topk.py)
-        mf.write_manifest(out, stage="data_gen", target=identity, counts=counts, hidden_states=hidden,
-                          topk_logits=topk, target_dtype={"dtype": cfg.target.dtype, "why": dtype_why})
-    finally:
-        if finalize is not None:
-            release_lock(finalize)
-        release_lock(lock)
-    return {"out": str(out), "rank": rank, "world_size": world, "merged": True, "counts": counts,
-            "hidden_states": hidden, "seconds": round(time.perf_counter() - t0, 2)}
+            mf.clean_temporaries(out / name, names)
 
 
-def use_rank_device(cfg) -> None:
-    """Ranks: target.device=cuda means this rank's GPU, cuda:LOCAL_RANK (modulo the visible GPUs: a
-    launcher that gives each rank its own CUDA_VISIBLE_DEVICES leaves LOCAL_RANK unset, hence cuda:0)."""
-    if cfg.target.device != "cuda":
-        return
-    count = max(torch.cuda.device_count(), 1)
-    cfg.target.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % count}"
+def read_prompts(cfg, target, identity: dict, out: Path) -> tuple[list[dict], dict]:
+    """The prompt set, each prompt numbered, and what the prompt filters dropped (see load_prompts_cached)."""
+    samples, filtered = load_prompts_cached(cfg, target, identity, out)
+    for i, s in enumerate(samples):
+        s["order"] = i  # the prompt's index: rank parts are merged back in this order
+    return samples, filtered
+
+
+def sets_key(cfg, identity: dict, samples: list[dict], settings: dict) -> str:
+    """What the tokenized set is made from (prompts + settings): a finished set with this key is reused."""
+    return _digest({"prompts": _prompt_fingerprint(samples), "regenerate": settings if cfg.regenerate else None,
+                    "tokenize": [identity["tokenizer_hash"], cfg.max_length, cfg.on_overflow, cfg.reasoning],
+                    **({"filters": _as_dict(cfg.filters)} if cfg.filters.answers else {})})
+
+
+def build_sets(cfg, target, samples: list[dict], out: Path, settings: dict, key: str, rank: int = 0,
+               world: int = 1) -> tuple[str | None, dict | None]:
+    """The tokenized set of `samples` in out/, made by this process or (ranks) merged from every rank's part.
+    Returns (state, this rank's part counts): (None, None) for one process, else see build_part_or_merge."""
+    if world > 1:
+        return build_part_or_merge(cfg, target, samples, out, settings, key, rank, world)
+    build_whole_sets(cfg, target, samples, out, settings, key)
+    return None, None
+
+
+def write_config(cfg, out: Path) -> None:
+    mf.atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
+
+
+def set_counts(out: Path, prompts_filtered: dict) -> dict:
+    """The finished set's counts and what the prompt filters dropped; refuses a set without a sample."""
+    counts = {**read_counts(out), **prompts_filtered}
+    if counts["samples"] == 0:
+        raise DraftsmithError(f"no sample survived data-gen (counts: {counts}); nothing usable in {out}.")
+    return counts
 
 
 def summary(result: dict) -> str:
@@ -535,7 +499,7 @@ def _num_chunks(cfg, samples: list) -> int:
     return (len(samples) + cfg.regenerate_chunk - 1) // cfg.regenerate_chunk
 
 
-def build_sets(cfg, target, samples: list[dict], out: Path, settings: dict, key: str) -> None:
+def build_whole_sets(cfg, target, samples: list[dict], out: Path, settings: dict, key: str) -> None:
     """One process: regenerate (reusing finished chunks) and tokenize, unless a finished tokenized set
     made with the same key is there already."""
     if (out / STATE).is_file() and (out / KEY).is_file() and (out / KEY).read_text() == key \
@@ -563,121 +527,61 @@ def _chunks_with_failures(out: Path) -> bool:
     return False
 
 
-def _set_ready(out: Path, key: str) -> bool:
-    """The tokenized set in `out` is finished and was made with `key`."""
-    try:
-        return (out / KEY).read_text() == key and (out / STATE).is_file()
-    except OSError:
-        return False
-
-
 def build_part_or_merge(cfg, target, samples: list[dict], out: Path, settings: dict, key: str,
                         rank: int, world: int) -> tuple[str, dict | None]:
     """Several ranks: write this rank's chunks as a part; the last rank to finish merges every part
-    into out/. Returns (state, this rank's part counts): state is "merged" (this rank merged), "part"
-    (another rank merges) or "ready" (the tokenized set was already finished with this key: nothing
+    into out/ (with hidden states the others wait for it: every rank captures from the merged set).
+    Returns (state, this rank's part counts): state is "merged" (this rank merged), "part" (another
+    rank merges) or "ready" (the tokenized set was already finished with this key: nothing
     regenerated nor merged, by any rank)."""
-    if _set_ready(out, key):
+    if set_ready(out, key):
         if not (cfg.regenerate and _chunks_with_failures(out)):
             return "ready", None
         (out / KEY).unlink(missing_ok=True)  # its failed prompts are asked again: no rank may take this set as done
-    part = out / "parts" / f"rank{rank:05d}"
-    chunk_ids = range(rank, _num_chunks(cfg, samples), world)
+    part_counts = write_part(cfg, target, samples, out, settings, key, rank, world)
+    if not claim_merge(out, world, key):
+        if cfg.hidden_states:
+            wait_for_merged_set(out, key, rank, world, out / REGEN)
+        return "part", part_counts
+    _unfinish(out)
+    conversations, rows, counts = read_parts(out, world)
+    write_sets(out, conversations, rows, counts, keep_order=False)
+    mf.atomic_write_bytes(out / KEY, key.encode())
+    _drop_extra_chunks(out, _num_chunks(cfg, samples))
+    remove_parts(out)
+    return "merged", part_counts
+
+
+def write_part(cfg, target, samples: list[dict], out: Path, settings: dict, key: str, rank: int, world: int) -> dict:
+    """Regenerate (reusing finished chunks) and tokenize this rank's chunks into its part; returns its counts."""
+    part = part_folder(out, rank)
+    chunk_ids = rank_chunks(_num_chunks(cfg, samples), rank, world)
     n_mine = sum(len(samples[k * cfg.regenerate_chunk:(k + 1) * cfg.regenerate_chunk]) for k in chunk_ids)
     conversations, rows, counts = generate_part(cfg, target, samples, out, settings, chunk_ids)
     (part / KEY).unlink(missing_ok=True)
     part_counts = _count(rows, counts, n_mine)
     write_sets(part, conversations, rows, part_counts, keep_order=True)
     mf.atomic_write_bytes(part / KEY, key.encode())
-    if not _claim_merge(out, world, key):
-        return "part", part_counts
-    _unfinish(out)
-    merge_parts(out, world)
-    mf.atomic_write_bytes(out / KEY, key.encode())
-    _drop_extra_chunks(out, _num_chunks(cfg, samples))
-    try:
-        mf.remove_written(out / "parts", ("rank*", ".merge.lock"))  # (a user's file there stays)
-    except OSError:
-        pass
-    return "merged", part_counts
+    return part_counts
 
 
-def _progress_signs(out: Path, world: int) -> tuple:
-    """What changes while some rank works (folder times change as files are renamed into them):
-    regeneration chunks written, parts written, the merge's temporary folders in out/."""
-    signs = []
-    for folder in (out / REGEN, out / "parts", out, *(out / "parts" / f"rank{r:05d}" for r in range(world))):
-        try:
-            signs.append(folder.stat().st_mtime_ns)
-        except OSError:
-            signs.append(None)
-    return tuple(signs)
+def capture(cfg, target, out: Path, rank: int = 0, world: int = 1) -> tuple[dict | None, dict | None, Path | None]:
+    """Offline mode: the hidden states of the tokenized set (finished shards kept); (None, None, None) otherwise.
 
-
-def wait_for_merged_set(out: Path, key: str, rank: int, world: int, poll_s: float = 1.0) -> None:
-    """Wait until the merging rank has written the tokenized set of this run (out/.data_gen_key == key).
-
-    Gives up after DRAFTSMITH_RANK_WAIT_S seconds (default 3600) in which nothing the ranks write
-    changed (regeneration chunks, parts, the merge), naming the ranks whose part is missing.
-    """
-    limit = float(os.environ.get("DRAFTSMITH_RANK_WAIT_S", 3600))
-
-    def waiting() -> list[int]:
-        return [r for r in range(world) if not _part_done(out, r, key)]
-
-    def note() -> str:
-        late = waiting()
-        return (f"data-gen rank {rank}: waiting for the merged tokenized set"
-                f"{f' (ranks {late} are still on their parts)' if late else ' (a rank is merging)'}.")
-
-    def give_up(limit_s: float) -> str:
-        late = waiting()
-        why = (f"ranks {late} never finished their parts in {out / 'parts'}: see their logs" if late else
-               f"every part is done but no rank merged them; if no data-gen runs there, a killed merge left "
-               f"{out / 'parts' / '.merge.lock'}: delete it and rerun")
-        return (f"data-gen rank {rank}: no progress from the other ranks for {limit_s:g} s "
-                f"(DRAFTSMITH_RANK_WAIT_S) while waiting for the merged tokenized set; {why}.")
-
-    wait_while_progressing(lambda: _set_ready(out, key), lambda: _progress_signs(out, world), limit, poll_s, note,
-                           give_up)
-
-
-def capture(cfg, target, out: Path, rank: int = 0, world: int = 1) -> dict | None:
-    """Offline mode: the hidden states of the tokenized set (finished shards kept); None otherwise.
-
-    Ranks: this rank's shards; the rank that then finds every shard finished and wins the finalize
-    lock writes index.json. Its lock is returned under "finalize" (None for the other ranks), with
-    this rank's "captured" and "kept" shards.
+    Returns (what the manifest records of them, this rank's "captured" and "kept" shards, the finalize lock).
+    One process: (.., None, None). Ranks: this rank's shards; the rank that then finds every shard finished
+    and wins the finalize lock writes index.json and holds the lock (None for the other ranks).
     """
     if not cfg.hidden_states:
         mf.remove_written(out / "hidden_states", (*CAPTURE_FILES, FINALIZE))  # an earlier run's; not a user's file
-        return None
+        return None, None, None
     ids = datasets.load_from_disk(str(out / "tokenized"))["input_ids"]
     folder = out / "hidden_states"
     index = capture_hidden_states(target, ids, folder, cfg.hidden_states_dtype,
                                   cfg.samples_per_shard, cfg.capture_batch_size, rank, world, cfg.hidden_states_source)
     hidden = {k: index[k] for k in ("dtype", "aux_layer_ids", "last_hidden_state", "hidden_size")}
     if world == 1:
-        hidden["shards"] = len(index["shards"])
-        return hidden
-    print(f"capture: rank {rank}/{world} captured shards {index['captured']}, kept {index['kept']}.",
-          file=sys.stderr, flush=True)
-    hidden.update(captured=index["captured"], kept=index["kept"], finalize=None)
-    header = {k: v for k, v in index.items() if k not in ("shards", "complete", "captured", "kept")}
-    total = num_shards(len(ids), cfg.samples_per_shard)
-    if len(finished_shards(folder, header)) < total:
-        return hidden  # a rank still captures: the last one writes the index
-    finalize = claim_file(folder / FINALIZE)
-    if finalize is None:
-        print(f"capture: rank {rank}/{world}: every shard is finished; the rank holding {folder / FINALIZE} writes "
-              f"the index and the manifest (if no data-gen runs, a killed one left it: delete it and rerun).",
-              file=sys.stderr, flush=True)
-        return hidden
-    done = finished_shards(folder, header)  # again, under the lock
-    if len(done) < total:  # (a shard went bad meanwhile: a rerun recomputes it)
-        release_lock(finalize)
-        raise DraftsmithError(f"hidden-state shards of {folder} went missing or bad while the ranks finished; "
-                              f"rerun the same command (finished shards are kept).")
-    write_index(folder, header, done)
-    hidden.update(shards=total, finalize=finalize)
-    return hidden
+        return {**hidden, "shards": len(index["shards"])}, None, None
+    captured = {k: index[k] for k in ("captured", "kept")}
+    finalize = finish_capture(folder, index, len(ids), cfg.samples_per_shard, rank, world)
+    return {**hidden, "shards": num_shards(len(ids), cfg.samples_per_shard)}, captured, finalize

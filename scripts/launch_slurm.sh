@@ -9,7 +9,7 @@
 # The first argument may name the draftsmith command (train, the default, or data-gen); every other argument
 # is a Hydra override for it. out= and data= must be on a filesystem every node sees (checkpoints are written
 # by all ranks, published by rank 0). Resubmitting with resume=true continues exactly from the latest
-# checkpoint, with the same nodes x GPUs (see the README's "From laptop to cluster").
+# checkpoint, with the same nodes x GPUs (see docs/cluster.md).
 # DRY_RUN=1 (e.g. `DRY_RUN=1 SLURM_NNODES=2 SLURM_GPUS_ON_NODE=8 bash scripts/launch_slurm.sh ...` on a login
 # node) prints the exact srun command line and runs nothing.
 #SBATCH --job-name=draftsmith

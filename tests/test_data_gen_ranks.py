@@ -86,7 +86,7 @@ def test_rank_device(monkeypatch, local_rank, count, device, expected):
 
     import torch
 
-    from draftsmith.data_gen.run import use_rank_device
+    from draftsmith.data_gen.ranks import use_rank_device
 
     if local_rank is None:
         monkeypatch.delenv("LOCAL_RANK", raising=False)

@@ -14,6 +14,7 @@ import pytest
 
 from draftsmith.core import DraftsmithError
 from draftsmith.core import artifacts as mf
+from draftsmith.data_gen import ranks
 from draftsmith.data_gen import run as dg
 from draftsmith.data_gen.dataset import load_conversations, load_tokenized
 
@@ -78,7 +79,7 @@ def test_killed_data_gen_resumes_its_regeneration(compose_cfg, questions, tmp_pa
     kept = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (killed / dg.REGEN).glob("chunk_*.json")}
     assert sorted(kept) == ["chunk_00000.json", "chunk_00001.json"]
     assert not (killed / "manifest.json").exists()
-    assert json.loads((killed / dg.LOCK).read_text())["pid"] == child.pid  # left behind by the kill: stale
+    assert json.loads((killed / ranks.LOCK).read_text())["pid"] == child.pid  # left behind by the kill: stale
 
     calls = count_regenerated(monkeypatch)
     capfd.readouterr()
@@ -90,7 +91,7 @@ def test_killed_data_gen_resumes_its_regeneration(compose_cfg, questions, tmp_pa
     assert outputs(killed) == outputs(whole)
     assert json.loads((killed / "manifest.json").read_text())["counts"] == \
         json.loads((whole / "manifest.json").read_text())["counts"]
-    assert not (killed / dg.LOCK).exists()
+    assert not (killed / ranks.LOCK).exists()
 
 
 def test_only_what_a_setting_affects_is_redone(compose_cfg, questions, tmp_path, monkeypatch, capfd):
@@ -128,7 +129,7 @@ def test_a_corrupt_chunk_is_regenerated(compose_cfg, questions, tmp_path, monkey
     dg.run(compose_cfg("data_gen", *argv(questions, out)))
     before = outputs(out)
     (out / dg.REGEN / "chunk_00003.json").write_text('{"key": "trunc')
-    (out / dg.KEY).unlink()  # as if the run had died before tokenizing
+    (out / ranks.KEY).unlink()  # as if the run had died before tokenizing
     calls = count_regenerated(monkeypatch)
     dg.run(compose_cfg("data_gen", *argv(questions, out)))
     assert calls == [1] and outputs(out) == before
@@ -136,20 +137,20 @@ def test_a_corrupt_chunk_is_regenerated(compose_cfg, questions, tmp_path, monkey
 
 def test_a_live_lock_refuses_a_second_run(compose_cfg, questions, tmp_path):
     out = mf.claim_output(tmp_path / "o", "data_gen")  # a data-gen folder, as a running one is
-    (out / dg.LOCK).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    (out / ranks.LOCK).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
     with pytest.raises(DraftsmithError, match=r"another data-gen \(pid \d+ on .*\) is writing to") as e:
         dg.run(compose_cfg("data_gen", *argv(questions, out)))
-    assert "\n" not in str(e.value) and str(out / dg.LOCK) in str(e.value)
-    assert not (out / "conversations").exists() and (out / dg.LOCK).exists()  # nothing done, lock kept
+    assert "\n" not in str(e.value) and str(out / ranks.LOCK) in str(e.value)
+    assert not (out / "conversations").exists() and (out / ranks.LOCK).exists()  # nothing done, lock kept
 
 
 def test_a_stale_lock_is_taken_over(compose_cfg, questions, tmp_path):
     out = mf.claim_output(tmp_path / "o", "data_gen")
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    (out / dg.LOCK).write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname()}))
+    (out / ranks.LOCK).write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname()}))
     dg.run(compose_cfg("data_gen", *argv(questions, out, "prompts.n=1")))
-    assert (out / "manifest.json").is_file() and not (out / dg.LOCK).exists()
+    assert (out / "manifest.json").is_file() and not (out / ranks.LOCK).exists()
 
 
 def test_progress_lines_when_not_a_terminal(compose_cfg, questions, tmp_path, monkeypatch, capfd):
