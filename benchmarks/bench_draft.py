@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.heads.draft import draft_from_target, pick_layers
     from draftsmith.heads.draft_folders import save_draft
 
-    target = load_target(TargetConfig(name=args.target))
+    target = load_target(TargetConfig(name=args.target, dtype="float32"))
     layers = pick_layers(target.num_layers, args.layers, "spread")
     before = str(work / "before")
     if not (work / "before" / "config.json").is_file():

@@ -68,7 +68,7 @@ def evaluate(method: str, head: str, args) -> dict:
                  f"max_new_tokens={args.max_new_tokens}", "repeats=1", "baselines=[]", "engine=vllm",
                  f"out={args.out / 'eval' / method}", "overwrite=true", "progress=false", "plot=false"]
     report = eval_run(compose("eval", overrides))
-    # e.g. vLLM for CPU's k_norm defect on a DFlash drafter of 2+ layers (eval/engine_vllm.dflash_engine_defect)
+    # e.g. vLLM for CPU's k_norm defect on a DFlash drafter of 2+ layers (heads/dflash_folders.engine_warning)
     return {"rows": per_k_rows(report, report["method"]), "method": report["method"],
             "engine_warnings": (report.get("engine") or {}).get("warnings", [])}
 

@@ -151,7 +151,7 @@ def main() -> None:
 
     from draftsmith.data_gen.target import TargetConfig, load_target
 
-    target = load_target(TargetConfig(name=args.target))
+    target = load_target(TargetConfig(name=args.target, dtype="float32"))
     venv, script = Path(args.peer_venv), Path(args.peer_script)
     peer = (venv / "bin" / "python").is_file() and script.is_file()
     folder = Path(args.peer_target) if args.peer_target else (target_folder_of(target) if peer else None)

@@ -12,7 +12,10 @@ A method has the same files in each stage, each with the same hooks; its row onl
                                  card(options, formats, commands) -> the model card's parts;
                                  optional: claims(config.json) -> bool, FOREIGN_ARCHITECTURES {arch: why not here},
                                  target_layer_ids(num_layers) -> the target layers whose hidden states it reads
-                                 (data-gen captures them, train and eval compute them; absent: it reads none)
+                                 (data-gen captures them, train and eval compute them; absent: it reads none),
+                                 engine_warning(drafter, result) -> one sentence or None: where a serving engine's
+                                 run (eval engine=vllm: the job's result) computes the drafter otherwise than its
+                                 contract (absent: no warning)
     train/<m>.py                 Config (the `method=<m>` options dataclass), new_drafter(target, cfg, train, resume),
                                  training(drafter, target, cfg, mode, autocast) -> (module, prepare),
                                  summarize(stats) -> dict, OFFLINE_DATA (what mode=offline reads)
@@ -110,6 +113,12 @@ class Method:
     def target_layer_ids(self) -> Optional[Callable[[int], list[int]]]:
         """num_layers -> the target layers the drafter reads (its request to data-gen, train and eval); None: none."""
         return getattr(self.heads, "target_layer_ids", None)
+
+    @property
+    def engine_warning(self) -> Optional[Callable[[Any, dict], Optional[str]]]:
+        """(drafter, the engine job's result) -> one sentence where the engine computes the drafter otherwise than
+        its contract, else None; None: the method has no such check."""
+        return getattr(self.heads, "engine_warning", None)
 
     @property
     def formats(self) -> dict[str, Callable]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from draftsmith.core import DraftsmithError, checks
-from draftsmith.data_gen.target import DTYPES, TargetConfig, stage_target
+from draftsmith.data_gen.target import DTYPES, TargetConfig
 from draftsmith.core.sampling import SamplingConfig
 
 PROMPT_SOURCES = ("self", "sharegpt", "openai", "question", "hf")
@@ -163,7 +163,7 @@ class FiltersConfig:
 
 @dataclass
 class DataGenConfig:
-    target: TargetConfig = field(default_factory=stage_target)
+    target: TargetConfig = field(default_factory=TargetConfig)
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     filters: FiltersConfig = field(default_factory=FiltersConfig)  # quality filters (filters.prompts / filters.answers)

@@ -57,9 +57,11 @@ HF_PLACEHOLDER = "<set target.name>"
 class TargetConfig:
     name: str = "smollm2"  # smollm2 | tiny | an HF folder or hub id | a .gguf file
     revision: Optional[str] = None  # hub revision (branch, tag or commit) of an HF target
-    # auto (bf16 on a CUDA device with bf16 and on a CPU with fast native bf16 matmul, else float32: draftsmith.core.machine)
-    # | float32 | bfloat16 | float16 | float64 (fp32 | bf16 | fp16); the stages default to auto, TargetConfig() to float32
-    dtype: str = "float32"
+    # auto (bf16 on a CUDA device with bf16 and on a CPU with fast native bf16 matmul, else float32:
+    # draftsmith.core.machine, resolved when a stage runs or the weights load) | float32 | bfloat16 | float16 | float64
+    # (fp32 | bf16 | fp16). One default for every stage and for TargetConfig() in code; bit-exact comparisons pass
+    # float32 (or float64).
+    dtype: str = "auto"
     device: str = "cpu"  # cpu | cuda | cuda:<index> | mps
     # A Jinja chat template (string or path to a file) for tokenizers that ship none.
     chat_template: Optional[str] = None
@@ -87,11 +89,6 @@ def torch_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise DraftsmithError(f"dtype {name!r} is not one of {sorted(DTYPES)}.")
     return DTYPES[name]
-
-
-def stage_target() -> TargetConfig:
-    """The target of a stage's config (data-gen, train, eval): dtype auto, resolved when the stage runs."""
-    return TargetConfig(dtype="auto")
 
 
 def resolve_target_dtype(cfg: TargetConfig) -> str:

@@ -7,7 +7,7 @@ from typing import Optional
 
 from draftsmith.core import DraftsmithError, checks
 from draftsmith.data_gen.config import PromptSetConfig
-from draftsmith.data_gen.target import TargetConfig, stage_target
+from draftsmith.data_gen.target import TargetConfig
 from draftsmith.eval.decoder import DraftingConfig
 from draftsmith.eval.proposers.ngram import NGRAM_MATCHES
 from draftsmith.core.sampling import SamplingConfig
@@ -50,7 +50,7 @@ class EvalPromptsConfig(PromptSetConfig):
 class EvalConfig:
     # target.dtype=auto: what this machine runs fastest (the report records why, and the cost model's measured
     # t_verify(K+1) / t_step in that dtype); float32 keeps greedy speculative output token-identical to target-only.
-    target: TargetConfig = field(default_factory=stage_target)
+    target: TargetConfig = field(default_factory=TargetConfig)
     prompts: EvalPromptsConfig = field(default_factory=EvalPromptsConfig)
     # The drafter: an EAGLE-3 checkpoint / exported folder, an HF draft-model folder, `ngram`, or
     # `none` (target-only decoding only).

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from draftsmith.core import DraftsmithError, engine
 from draftsmith.core.engine import Engines
@@ -184,9 +184,11 @@ def sequential_fallback(run: dict) -> bool:
 
 # --------------------------------------------------------------------------- the report's section
 
-def engine_report(setup, drafter, samples: dict[str, list[metrics.Sample]], report: dict, target_model: str) -> dict:
+def engine_report(setup, drafter, samples: dict[str, list[metrics.Sample]], report: dict, target_model: str,
+                  engine_warning: Optional[Callable[[Any, dict], Optional[str]]] = None) -> dict:
     """Decode the eval's prompts in vLLM and return the report's `engine` (and the engine's recommendation);
-    `target_model` is the target's name in the serving commands (its Hub id)."""
+    `target_model` is the target's name in the serving commands (its Hub id); `engine_warning`: the head's method's
+    optional hook (its row's `engine_warning`), None for none."""
     cfg, d = setup.cfg, setup.drafting
     check_engine_options(cfg)
     base = samples[TARGET_ONLY]
@@ -216,10 +218,7 @@ def engine_report(setup, drafter, samples: dict[str, list[metrics.Sample]], repo
         if run["speculative_config"]["method"] == "ngram" and getattr(cfg, "ngram_match", "latest") != "earliest":
             section["runs"][run["name"]]["note"] = ("the built-in n-gram copies after the latest match, vLLM's after "
                                                     "the earliest: ngram_match=earliest counts as vLLM does")
-    defect = dflash_engine_defect(drafter, result)
-    if defect is not None:
-        section["warnings"] = [defect]
-        log.warning(f"warning: {defect}")
+    add_method_warning(section, engine_warning, drafter, result)
     section["cost_model"] = engine_cost_model(section, drafter.method, report)
     main = section["runs"].get(drafter.method)
     if main is not None and main.get("loaded"):
@@ -233,17 +232,13 @@ def engine_report(setup, drafter, samples: dict[str, list[metrics.Sample]], repo
     return out
 
 
-def dflash_engine_defect(drafter, result: dict) -> Optional[str]:
-    """One sentence where this vLLM computes a DFlash drafter otherwise than its contract: its rms_norm kernel
-    ignores the stacked k_norm weights of the context keys (vllm_worker.grouped_rms_norm_ok), which changes a drafter
-    of two layers or more; None elsewhere."""
-    layers = int((drafter.info or {}).get("num_layers") or 0)
-    if drafter.method != "dflash" or layers < 2 or result.get("grouped_rms_norm_ok") is not False:
-        return None
-    return (f"this vLLM ({result.get('vllm_version')}) normalizes the context keys of every layer of the "
-            f"{layers}-layer DFlash drafter with layer 0's k_norm (its rms_norm kernel ignores the stacked per-layer "
-            "weight that qwen3_dflash.py's _normalize_context_k passes; vLLM's CUDA kernel takes it), so its tau is "
-            "that of a slightly different drafter and can differ from the built-in decoder's and from vLLM's on a GPU")
+def add_method_warning(section: dict, engine_warning, drafter, result: dict) -> None:
+    """The drafter's method's word on this engine's run (its optional hook `engine_warning(drafter, result)`): one
+    line in the section's `warnings` and the log; nothing without the hook or where it returns None."""
+    warning = engine_warning(drafter, result) if engine_warning is not None else None
+    if warning is not None:
+        section["warnings"] = [warning]
+        log.warning(f"warning: {warning}")
 
 
 def run_section(run: dict, got: dict, builtin: Optional[list[metrics.Sample]], engine_base: dict, base_tps: float,

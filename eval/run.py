@@ -231,7 +231,9 @@ def run(cfg) -> dict:
     report = build_report(setup, drafter, samples, hf_samples)
     report.update(cost_report(setup, drafter, samples, report))
     if getattr(cfg, "engine", "builtin") == "vllm":  # the same prompts inside vLLM, its figures beside ours
-        report.update(engine_report(setup, drafter, samples, report, _hub_id(setup.target.target_id)))
+        path = drafter.info.get("path")
+        engine_warning = method_for_folder(Path(path)).engine_warning if path else None  # the method's own hook
+        report.update(engine_report(setup, drafter, samples, report, _hub_id(setup.target.target_id), engine_warning))
     elif getattr(cfg, "engine", "builtin") == "llamacpp":  # the same prompts in llama-server
         path = drafter.info.get("path")
         write_gguf = method_for_folder(Path(path)).formats.get("gguf") if path else None

@@ -229,6 +229,20 @@ def write_speculators(head: DFlashHead, folder: Path, manifest_target: Optional[
                                    dtype=options.dtype, include_embeddings=options.include_embeddings)
 
 
+def engine_warning(drafter, result: dict) -> Optional[str]:
+    """The method table's optional hook: one sentence where this vLLM computes the drafter otherwise than its
+    contract (its rms_norm kernel ignores the stacked k_norm weights of the context keys: the worker's probe
+    `grouped_rms_norm_ok` in the job's `result`), which changes a drafter of two layers or more; None elsewhere.
+    `drafter`: eval's drafter (its `info` holds the folder's num_layers)."""
+    layers = int((drafter.info or {}).get("num_layers") or 0)
+    if layers < 2 or result.get("grouped_rms_norm_ok") is not False:
+        return None
+    return (f"this vLLM ({result.get('vllm_version')}) normalizes the context keys of every layer of the "
+            f"{layers}-layer DFlash drafter with layer 0's k_norm (its rms_norm kernel ignores the stacked per-layer "
+            "weight that qwen3_dflash.py's _normalize_context_k passes; vLLM's CUDA kernel takes it), so its tau is "
+            "that of a slightly different drafter and can differ from the built-in decoder's and from vLLM's on a GPU")
+
+
 # formats other methods have that this one cannot be written in: export says why in one sentence
 UNSERVED_FORMATS = {"gguf": "llama.cpp's DFlash converter (conversion/qwen.py DFlashModel) maps no draft "
                             "vocabulary, and draftsmith's DFlash folders carry one (t2d, d2t); export format=dflash "

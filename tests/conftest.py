@@ -36,14 +36,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 def tiny_target():
     from draftsmith.data_gen.target import TargetConfig, load_target
 
-    return load_target(TargetConfig(name="tiny"))
+    return load_target(TargetConfig(name="tiny", dtype="float32"))
 
 
 @pytest.fixture(scope="session")
 def smollm2_target():
     from draftsmith.data_gen.target import TargetConfig, load_target
 
-    return load_target(TargetConfig(name="smollm2"))
+    return load_target(TargetConfig(name="smollm2", dtype="float32"))
 
 
 @pytest.fixture

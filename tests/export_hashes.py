@@ -32,7 +32,7 @@ def build_heads(out: Path) -> None:
     from draftsmith.heads.peagle_folders import save_peagle
     from draftsmith.heads.vocab import build_vocab_map
 
-    target = load_target(TargetConfig(name="tiny"))
+    target = load_target(TargetConfig(name="tiny", dtype="float32"))
     identity = target.identity()
 
     def randomize(head, prefixes):

@@ -21,14 +21,14 @@ from draftsmith.train.run import run
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    target = load_target(TargetConfig(name="tiny"))
+    target = load_target(TargetConfig(name="tiny", dtype="float32"))
     return make_tiny_data(tmp_path_factory.mktemp("data"), target, n=14, hidden_states=True)
 
 
 def _cfg(data, out, **kw):
     options = dict(micro_batch_size=2, grad_accum=1, max_steps=6, save_every=2, keep_last=5, lr=3e-3, warmup_ratio=0.2,
                    val_samples=4, eval_every=2, progress=False, deepspeed=DeepSpeedConfig("none"))
-    cfg = OmegaConf.structured(TrainConfig(data=str(data), out=str(out), target=TargetConfig(name="tiny"),
+    cfg = OmegaConf.structured(TrainConfig(data=str(data), out=str(out), target=TargetConfig(name="tiny", dtype="float32"),
                                            method=Eagle3Config(draft_vocab_size=128, ttt_steps=3), **{**options, **kw}))
     cfg.wandb.mode = "disabled"
     return cfg

@@ -25,7 +25,7 @@ OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 
 def _cfg(data, out, **kw):
     cfg = OmegaConf.structured(TrainConfig(
-        data=str(data), out=str(out), target=TargetConfig(name="tiny"), method=Eagle3Config(draft_vocab_size=64, ttt_steps=2),
+        data=str(data), out=str(out), target=TargetConfig(name="tiny", dtype="float32"), method=Eagle3Config(draft_vocab_size=64, ttt_steps=2),
         micro_batch_size=2, max_steps=3, save_every=2, progress=False, deepspeed=DeepSpeedConfig("zero2"), **kw))
     cfg.wandb.mode = "disabled"
     return cfg
@@ -35,7 +35,7 @@ def _cfg(data, out, **kw):
 def trained(tmp_path_factory, one_thread):
     """(data, out): a zero2 run killed right after its step-2 checkpoint."""
     base = tmp_path_factory.mktemp("trust")
-    data = make_tiny_data(base / "data", load_target(TargetConfig(name="tiny")), n=8, hidden_states=True)
+    data = make_tiny_data(base / "data", load_target(TargetConfig(name="tiny", dtype="float32")), n=8, hidden_states=True)
     with pytest.raises(RuntimeError, match="simulated crash"):
         run(_cfg(data, base / "out", fail_at_step=2))
     return data, base / "out"

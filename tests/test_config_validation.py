@@ -167,21 +167,63 @@ def test_required_options_at_the_cli(cli):
 
 def test_check_config_takes_dataclasses_and_refuses_missing():
     from draftsmith.train.config import TrainConfig
+    from draftsmith.train.eagle3 import Eagle3Config
 
     with pytest.raises(DraftsmithError, match=r"^data= is required"):
         check_config("train", TrainConfig())
-    check_config("train", TrainConfig(data="/x"))
+    check_config("train", TrainConfig(data="/x", method=Eagle3Config()))
     with pytest.raises(DraftsmithError, match=r"^lr=-1"):
         TrainConfig(data="/x", lr=-1)
+
+
+def test_train_config_names_no_method():
+    """The default method is configs/train.yaml's choice alone: TrainConfig in code names none, and a run without one
+    is refused in one sentence, not trained as EAGLE-3."""
+    from omegaconf import OmegaConf
+
+    from draftsmith.core.methods import trainable
+    from draftsmith.train.config import TrainConfig
+    from draftsmith.train.run import run, validate
+
+    assert OmegaConf.is_missing(OmegaConf.structured(TrainConfig(data="/x")), "method")
+    expected = f"method= is required: one of {', '.join(trainable())} (`draftsmith train method=<name>`; in code, "
+    for cfg in (TrainConfig(data="/x"), OmegaConf.structured(TrainConfig(data="/x"))):
+        with pytest.raises(DraftsmithError) as e:
+            validate(cfg)
+        assert str(e.value).startswith(expected) and str(e.value).count(". ") == 0
+    with pytest.raises(DraftsmithError, match=r"^method= is required"):
+        run(TrainConfig(data="/x"))
+    for name in trainable():  # the YAML picks the method; its options are typed by the method's own Config
+        cfg = compose("train", ["data=/x", f"method={name}"])
+        assert cfg.method.name == name and OmegaConf.get_type(cfg.method).__module__ == f"draftsmith.train.{name}"
+    assert compose("train", ["data=/x"]).method.name == "eagle3"  # configs/train.yaml's default
+
+
+def test_target_dtype_has_one_default():
+    """TargetConfig() and every stage's target default to dtype auto (resolved per machine when the target loads)."""
+    import dataclasses
+
+    from draftsmith.data_gen.config import DataGenConfig
+    from draftsmith.data_gen.target import TargetConfig
+    from draftsmith.eval.config import EvalConfig
+    from draftsmith.train.config import TrainConfig
+
+    assert TargetConfig().dtype == "auto"
+    for cls in (DataGenConfig, TrainConfig, EvalConfig):
+        target = next(f for f in dataclasses.fields(cls) if f.name == "target")
+        assert target.default_factory is TargetConfig, cls
+    assert compose("train", ["data=/x"]).target.dtype == compose("data_gen").target.dtype == "auto"
+    assert compose("eval", ["prompts.path=/x"]).target.dtype == "auto"
 
 
 def test_train_validate_uses_the_shared_checks():
     from omegaconf import OmegaConf
 
     from draftsmith.train.config import TrainConfig
+    from draftsmith.train.eagle3 import Eagle3Config
     from draftsmith.train.run import validate
 
-    cfg = OmegaConf.structured(TrainConfig(data="/x"))
+    cfg = OmegaConf.structured(TrainConfig(data="/x", method=Eagle3Config()))
     cfg.max_steps = 0
     with pytest.raises(DraftsmithError, match=r"^max_steps=0 must be at least 1"):
         validate(cfg)

@@ -382,14 +382,3 @@ def test_grouped_rms_norm_probe_tells_a_stacked_weight_from_row_zero():
 
     assert vllm_worker.grouped_rms_norm_ok(stacked)
     assert not vllm_worker.grouped_rms_norm_ok(row_zero)
-
-
-@pytest.mark.parametrize("method,layers,ok,warned", [
-    ("dflash", 2, False, True), ("dflash", 1, False, False), ("dflash", 2, True, False), ("dflash", 2, None, False),
-    ("eagle3", 2, False, False)])
-def test_dflash_engine_defect_is_said_only_where_it_changes_the_drafter(method, layers, ok, warned):
-    drafter = types.SimpleNamespace(method=method, info={"num_layers": layers})
-    sentence = ev_engine.dflash_engine_defect(drafter, {"vllm_version": "0.32.0", "grouped_rms_norm_ok": ok})
-    assert (sentence is not None) == warned
-    if warned:
-        assert "layer 0's k_norm" in sentence and "2-layer" in sentence

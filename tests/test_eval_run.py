@@ -40,7 +40,7 @@ def save_tiny_head(folder, identity=None):
     from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
     from draftsmith.heads.vocab import build_vocab_map
 
-    target = load_target(TargetConfig(name="tiny"))
+    target = load_target(TargetConfig(name="tiny", dtype="float32"))
     torch.manual_seed(0)
     head = Eagle3Head(eagle3_config_from_target(target.model.config, draft_vocab_size=128))
     d2t, t2d = build_vocab_map(torch.arange(target.vocab_size, dtype=torch.long), 128)
@@ -110,7 +110,7 @@ def test_sampling_report(questions, tmp_path):
 
 
 def test_head_for_another_target_is_refused(questions, tmp_path):
-    identity = load_target(TargetConfig(name="tiny")).identity()
+    identity = load_target(TargetConfig(name="tiny", dtype="float32")).identity()
     head = save_tiny_head(tmp_path / "head", {**identity, "target_id": "other", "target_hash": "0123456789abcdef"})
     with pytest.raises(DraftsmithError) as e:
         run(eval_cfg(questions, tmp_path / "out", f"head={head}"))
@@ -175,7 +175,7 @@ def test_draft_model_head_with_hf_assisted_baseline(questions, tmp_path):
 
     from draftsmith.data_gen.target import tiny_model_config
 
-    target = load_target(TargetConfig(name="tiny"))
+    target = load_target(TargetConfig(name="tiny", dtype="float32"))
     torch.manual_seed(1)
     draft = LlamaForCausalLM(tiny_model_config(target.vocab_size, num_layers=2))
     draft.config.eos_token_id = target.model.config.eos_token_id

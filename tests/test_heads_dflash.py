@@ -291,6 +291,6 @@ def test_beside_a_target_the_folder_must_read_the_layers_it_computes(tiny_target
     assert entry.target_layer_ids(tiny_target.num_layers) == tiny_target.aux_layer_ids  # what data-gen captures
     folder = save_dflash(random_dflash(tiny_target), tmp_path / "d")
     assert entry.load(folder, tiny_target).config.aux_layer_ids == tiny_target.aux_layer_ids
-    other = load_target(TargetConfig(name="tiny", aux_layer_ids=[0, 0, 0]))
+    other = load_target(TargetConfig(name="tiny", aux_layer_ids=[0, 0, 0], dtype="float32"))
     with pytest.raises(DraftsmithError, match=r"reads target layers .* but the target computes \[0, 0, 0\]"):
         entry.load(folder, other)

@@ -105,7 +105,7 @@ def test_torchrun_launcher_trains_three_steps_with_two_cpu_processes(tmp_path, d
     from draftsmith.train.trainer import _free_port  # another pytest-xdist worker may be running torchrun too
     from test_train_data import make_tiny_data
 
-    data = make_tiny_data(tmp_path / "d", load_target(TargetConfig(name="tiny")), n=8)
+    data = make_tiny_data(tmp_path / "d", load_target(TargetConfig(name="tiny", dtype="float32")), n=8)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
                                                             "LOCAL_RANK", "NNODES", "NODE_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", NPROC_PER_NODE="2", TORCHRUN=str(TORCHRUN),

@@ -345,7 +345,7 @@ def test_single_process_default_training_never_imports_deepspeed(tmp_path):
     from draftsmith.data_gen.target import TargetConfig, load_target
     from test_train_data import make_tiny_data
 
-    data = make_tiny_data(tmp_path / "d", load_target(TargetConfig(name="tiny")), n=4)
+    data = make_tiny_data(tmp_path / "d", load_target(TargetConfig(name="tiny", dtype="float32")), n=4)
     out = tmp_path / "out"
     code = textwrap.dedent(f"""
         import sys
@@ -368,7 +368,7 @@ def test_single_process_default_training_never_imports_deepspeed(tmp_path):
 def test_the_cli_flushes_subnormals_to_zero():
     """After the CLI's process setup a subnormal fp32 input computes as zero (FTZ / DAZ), in a fresh process."""
     code = ("import sys, torch\n"
-            "from draftsmith.core import cli\n"
+            "from draftsmith import cli\n"
             "before = (torch.tensor([1e-39]) * 1.0).item()\n"
             "sys.argv = ['draftsmith', 'export', '--cfg', 'job', 'head=h']\n"
             "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"

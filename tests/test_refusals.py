@@ -49,7 +49,7 @@ def base(tmp_path_factory):
     from test_train_data import make_tiny_data
 
     root = tmp_path_factory.mktemp("refusals")
-    target = load_target(TargetConfig(name="tiny"))
+    target = load_target(TargetConfig(name="tiny", dtype="float32"))
     save_tiny_head(root / "head")
     target.model.save_pretrained(root / "hf")
     target.tokenizer.save_pretrained(root / "hf")

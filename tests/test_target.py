@@ -13,7 +13,7 @@ def test_default_aux_layers():
 
 
 def test_tiny_features_at_documented_indices():
-    target = load_target(TargetConfig(name="tiny"))
+    target = load_target(TargetConfig(name="tiny", dtype="float32"))
     ids = torch.randint(0, target.vocab_size, (2, 7))
     aux, last = target.features(ids)
     ref = target.model(ids, output_hidden_states=True)
@@ -27,7 +27,7 @@ def test_tiny_features_at_documented_indices():
 def test_smollm2_cached_copy_matches_the_gguf():
     from transformers import AutoModelForCausalLM
 
-    target = load_target(TargetConfig(name="smollm2"))
+    target = load_target(TargetConfig(name="smollm2", dtype="float32"))  # compared with the GGUF read in fp32
     assert (target.num_layers, target.hidden_size, target.vocab_size) == (30, 576, 49152)
     assert target.aux_layer_ids == [2, 15, 27]
     path = smollm2_gguf_path()

@@ -185,8 +185,8 @@ def test_config_refusals():
 def tiny_data(tmp_path_factory):
     from test_train_data import make_tiny_data
 
-    return make_tiny_data(tmp_path_factory.mktemp("data"), load_target(TargetConfig(name="tiny")), n=12,
-                          hidden_states=True)
+    return make_tiny_data(tmp_path_factory.mktemp("data"), load_target(TargetConfig(name="tiny", dtype="float32")),
+                          n=12, hidden_states=True)
 
 
 def _train_cfg(data, out, deepspeed="none", mode="auto", **kw):
@@ -195,7 +195,7 @@ def _train_cfg(data, out, deepspeed="none", mode="auto", **kw):
     from draftsmith.train.config import DeepSpeedConfig, TrainConfig
 
     cfg = OmegaConf.structured(TrainConfig(
-        data=str(data), out=str(out), target=TargetConfig(name="tiny"), mode=mode,
+        data=str(data), out=str(out), target=TargetConfig(name="tiny", dtype="float32"), mode=mode,
         method=DFlashConfig(draft_vocab_size=128, num_layers=2, block_size=BLOCK, max_anchors=8), micro_batch_size=2,
         grad_accum=2, epochs=2, save_every=2, keep_last=5, lr=3e-3, warmup_ratio=0.2, progress=False,
         deepspeed=DeepSpeedConfig(deepspeed), **kw))
@@ -223,7 +223,7 @@ def _resume_is_exact(tiny_data, tmp_path, deepspeed):
     final = tmp_path / "full" / "final"
     method = method_for_folder(final)
     assert method.name == "dflash" and len(method.load(final).layers) == 2
-    tiny = load_target(TargetConfig(name="tiny"))
+    tiny = load_target(TargetConfig(name="tiny", dtype="float32"))
     assert torch.equal(method.load(final).embed_tokens.weight, tiny.model.get_input_embeddings().weight)  # frozen
 
 

@@ -26,7 +26,7 @@ def _losses(out) -> list[float]:
 @pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(
     os.path.join(os.path.dirname(sys.executable), "torchrun")), reason="torchrun not installed")
 def test_two_processes_match_one(tmp_path):
-    data = make_tiny_data(tmp_path / "d", load_target(TargetConfig(name="tiny")), n=8, hidden_states=True)
+    data = make_tiny_data(tmp_path / "d", load_target(TargetConfig(name="tiny", dtype="float32")), n=8, hidden_states=True)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")

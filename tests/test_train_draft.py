@@ -25,7 +25,7 @@ LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj
 
 @pytest.fixture(scope="module")
 def target():
-    return load_target(TargetConfig(name="tiny"))
+    return load_target(TargetConfig(name="tiny", dtype="float32"))
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,8 @@ def tiny_data(tmp_path_factory, target):
 def _cfg(data, out, method=None, deepspeed="none", **kw):
     kw = {"micro_batch_size": 2, "grad_accum": 2, **kw}
     cfg = OmegaConf.structured(TrainConfig(
-        data=str(data), out=str(out), target=TargetConfig(name="tiny"), method=method or DraftConfig(num_layers=2),
+        data=str(data), out=str(out), target=TargetConfig(name="tiny", dtype="float32"),
+        method=method or DraftConfig(num_layers=2),
         epochs=2, save_every=2, keep_last=5, lr=3e-3, warmup_ratio=0.2,
         progress=False, deepspeed=DeepSpeedConfig(deepspeed), **kw))
     cfg.wandb.mode = "disabled"
@@ -72,7 +73,7 @@ def test_draft_config_refusals(compose_cfg):
 
 
 def test_tokenizer_mismatch_is_refused(target, tmp_path):
-    other = load_target(TargetConfig(name="tiny"))
+    other = load_target(TargetConfig(name="tiny", dtype="float32"))
     other.tokenizer.add_tokens(["<extra>"])
     other.tokenizer.save_pretrained(tmp_path / "m")
     target.model.save_pretrained(tmp_path / "m")

@@ -17,7 +17,7 @@ BASE = ["method=eagle3", "target=tiny", "wandb.mode=disabled", "progress=false",
 
 @pytest.fixture(scope="module")
 def target():
-    return load_target(TargetConfig(name="tiny"))
+    return load_target(TargetConfig(name="tiny", dtype="float32"))
 
 
 def _train(capsys, *args) -> str:

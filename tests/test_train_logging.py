@@ -17,12 +17,13 @@ from test_train_data import make_tiny_data
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    return make_tiny_data(tmp_path_factory.mktemp("data"), load_target(TargetConfig(name="tiny")), n=8)
+    return make_tiny_data(tmp_path_factory.mktemp("data"), load_target(TargetConfig(name="tiny", dtype="float32")), n=8)
 
 
 def _cfg(data, out, **kw):
     cfg = OmegaConf.structured(TrainConfig(
-        data=str(data), out=str(out), target=TargetConfig(name="tiny"), method=Eagle3Config(draft_vocab_size=64, ttt_steps=2),
+        data=str(data), out=str(out), target=TargetConfig(name="tiny", dtype="float32"),
+        method=Eagle3Config(draft_vocab_size=64, ttt_steps=2),
         micro_batch_size=2, max_steps=3, save_every=100, deepspeed=DeepSpeedConfig("none"), **{"progress": False, **kw}))
     cfg.wandb.mode = "disabled"
     return cfg

@@ -177,8 +177,8 @@ def test_config_defaults_are_speculators_and_refusals():
 def tiny_data(tmp_path_factory):
     from test_train_data import make_tiny_data
 
-    return make_tiny_data(tmp_path_factory.mktemp("data"), load_target(TargetConfig(name="tiny")), n=12,
-                          hidden_states=True)
+    return make_tiny_data(tmp_path_factory.mktemp("data"), load_target(TargetConfig(name="tiny", dtype="float32")),
+                          n=12, hidden_states=True)
 
 
 def _train_cfg(data, out, deepspeed="none", mode="auto", **kw):
@@ -187,7 +187,7 @@ def _train_cfg(data, out, deepspeed="none", mode="auto", **kw):
     from draftsmith.train.config import DeepSpeedConfig, TrainConfig
 
     cfg = OmegaConf.structured(TrainConfig(
-        data=str(data), out=str(out), target=TargetConfig(name="tiny"), mode=mode,
+        data=str(data), out=str(out), target=TargetConfig(name="tiny", dtype="float32"), mode=mode,
         method=PEagleConfig(draft_vocab_size=128, num_layers=2, depths=4), micro_batch_size=2, grad_accum=2, epochs=2,
         save_every=2, keep_last=5, lr=3e-3, warmup_ratio=0.2, progress=False, deepspeed=DeepSpeedConfig(deepspeed),
         **kw))
@@ -217,7 +217,7 @@ def _resume_is_exact(tiny_data, tmp_path, deepspeed):
     method = method_for_folder(final)
     assert method.name == "peagle" and len(method.load(final).layers) == 2
     # embeddings were trained (the default): they moved away from the target's
-    tiny = load_target(TargetConfig(name="tiny"))
+    tiny = load_target(TargetConfig(name="tiny", dtype="float32"))
     assert not torch.equal(method.load(final).embed_tokens.weight, tiny.model.get_input_embeddings().weight)
 
 
@@ -236,7 +236,7 @@ def test_train_online_with_frozen_embeddings(tiny_data, tmp_path, one_thread):
     cfg.method.train_embeddings = False
     result = run(cfg)
     assert result["mode"] == "online" and result["steps"] == 2
-    tiny = load_target(TargetConfig(name="tiny"))
+    tiny = load_target(TargetConfig(name="tiny", dtype="float32"))
     from draftsmith.heads.peagle_folders import load_peagle
 
     head = load_peagle(tmp_path / "on" / "final")

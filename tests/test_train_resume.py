@@ -16,13 +16,13 @@ from test_train_data import make_tiny_data
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    target = load_target(TargetConfig(name="tiny"))
+    target = load_target(TargetConfig(name="tiny", dtype="float32"))
     return make_tiny_data(tmp_path_factory.mktemp("data"), target, n=12, hidden_states=True)
 
 
 def _cfg(data, out, deepspeed="zero2", method=None, **kw):
     cfg = OmegaConf.structured(TrainConfig(
-        data=str(data), out=str(out), target=TargetConfig(name="tiny"),
+        data=str(data), out=str(out), target=TargetConfig(name="tiny", dtype="float32"),
         method=Eagle3Config(draft_vocab_size=128, ttt_steps=3, **(method or {})),
         micro_batch_size=2, grad_accum=2, epochs=2, save_every=2, keep_last=5, lr=3e-3, warmup_ratio=0.2,
         progress=False, deepspeed=DeepSpeedConfig(deepspeed), **kw))

@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
+from omegaconf import MISSING
+
 from draftsmith.core import DraftsmithError, checks
-from draftsmith.data_gen.target import TargetConfig, stage_target
+from draftsmith.data_gen.target import TargetConfig
 from draftsmith.core.procenv import launched_processes
-from draftsmith.train.eagle3 import Eagle3Config
+
 DEEPSPEED_PRESETS = ("auto", "none", "zero1", "zero2", "zero3")
 
 
@@ -38,11 +40,12 @@ class DeepSpeedConfig:
 
 @dataclass
 class TrainConfig:
-    # The drafting method and its options: method=eagle3 picks configs/method/eagle3.yaml, typed by
-    # the method's dataclass in draftsmith.core.methods (method.draft_vocab_size=8192, ...).
-    method: Any = field(default_factory=Eagle3Config)
+    # The drafting method and its options: method=<name> picks configs/method/<name>.yaml, typed by the method's
+    # Config (train/<name>.py, its row in draftsmith.core.methods; method.draft_vocab_size=8192, ...). No method is
+    # the default here: `draftsmith train` takes configs/train.yaml's default, code passes method=<name>.Config().
+    method: Any = MISSING
     CHOSEN_BY_GROUP: ClassVar[tuple[str, ...]] = ("method",)
-    target: TargetConfig = field(default_factory=stage_target)
+    target: TargetConfig = field(default_factory=TargetConfig)
     data: str = "???"  # a data-gen output folder
     out: str = "runs/train"  # output folder: final/, checkpoints/, metrics.jsonl
     overwrite: bool = False  # true: write into an out folder that is not an earlier train output

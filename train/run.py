@@ -32,7 +32,7 @@ from draftsmith.core.artifacts import (OWNER, atomic_write_bytes, atomic_write_j
                                   is_empty, owner_of, prepare_output, refuse_links, remove_written)
 from draftsmith.configs import check_config
 from draftsmith.data_gen.target import load_target, resolve_target_dtype
-from draftsmith.core.methods import Method, method_for_config
+from draftsmith.core.methods import Method, method_for_config, trainable
 from draftsmith.train import checkpoint as ckpt
 from draftsmith.train.data import load_data
 from draftsmith.train.trainer import (Logger, TrainerConfig, autocast, evaluate, init_distributed,
@@ -43,7 +43,14 @@ log = logging.getLogger(__name__)
 
 
 def validate(cfg) -> None:
-    """Refuse bad option values with one sentence naming the option (the checks live in TrainConfig)."""
+    """Refuse bad option values with one sentence naming the option (the checks live in TrainConfig).
+
+    TrainConfig names no method: `draftsmith train` takes configs/train.yaml's default, and a TrainConfig built in
+    code without one is refused here, never trained with a method it did not name."""
+    if OmegaConf.is_missing(cfg if OmegaConf.is_config(cfg) else OmegaConf.structured(cfg), "method"):
+        raise DraftsmithError(f"method= is required: one of {', '.join(trainable())} "
+                              f"(`draftsmith train method=<name>`; in code, TrainConfig(method=...) with that method's "
+                              f"draftsmith.train.<name>.Config()).")
     check_config("train", cfg)
 
 

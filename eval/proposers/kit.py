@@ -1,4 +1,6 @@
-"""The chain/tree builder every model proposer shares (eval/proposers/<method>.py subclass `ModelProposer`).
+"""The chain/tree builder every model proposer shares (eval/proposers/<method>.py subclass `ModelProposer`), and
+the one-forward chain proposer (`OneForwardProposer`, with its chain sampler `sample_chain`) for drafters that
+draft all K rows of a chain in one forward.
 
 chain = top-1 (greedy) or one sample from q per depth; tree = top-k children of the best `tree_top_k` frontier
 nodes per depth, ranked by cumulative draft log-prob, until `tree_budget` nodes. Tree drafts are deterministic, so
@@ -9,14 +11,22 @@ Dynamic draft length (`drafting.stop_below`, chain mode): the chain ends with it
 probability is below the threshold (greedy: the softmax of the drafter's logits at its argmax; sampling: q(x)
 of the drawn x), so no drafter step is spent on the tokens after it. Only the length depends on the draft,
 never q, so the accept rule stays exact.
+
+A one-forward drafter computes the K rows of its chain at once, row d independent of the tokens drafted before
+it: `sample_chain` takes each row's argmax (greedy) or one draw from the row's own q (sampling, q returned), and
+cuts the chain after its first token below `drafting.stop_below`; the forward is already paid, so only
+verification width is saved, and the kept rows' q are unchanged (lossless).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from draftsmith.core import DraftsmithError
 from draftsmith.eval.decoder import Draft, DraftingConfig
+from draftsmith.heads.kit import StaticKVCache
 from draftsmith.core.sampling import SamplingConfig, process_logits
 
 
@@ -81,3 +91,74 @@ def eval_head(head, target_vocab_size: int, method: str):
         raise DraftsmithError(f"{method} head was built for a vocab of {head.config.vocab_size}, the target has "
                               f"{target_vocab_size}; use a head trained for this target.")
     return head.eval(), next(head.parameters())
+
+
+def sample_chain(logits: torch.Tensor, draft_ids: torch.Tensor, target_vocab_size: int, drafting: DraftingConfig,
+                 sampling: SamplingConfig, generator=None) -> Draft:
+    """The chain drafted from k rows of draft logits (k, Vd) computed in one forward (row d drafts depth d+1):
+    argmax or one draw per row, q over the target vocab when sampled, cut by `drafting.stop_below`."""
+    k = drafting.num_speculative_tokens
+    if sampling.greedy:
+        own = logits.argmax(-1)
+        q = None
+        prob = logits.float().softmax(-1).gather(1, own[:, None])[:, 0]  # (k,) each argmax's probability
+    else:
+        probs = torch.stack([process_logits(row, sampling) for row in logits])  # (k, Vd)
+        own = torch.multinomial(probs.float(), 1, generator=generator)[:, 0]
+        q = torch.zeros(k, target_vocab_size, dtype=probs.dtype, device=probs.device).index_copy_(1, draft_ids, probs)
+        prob = probs.gather(1, own[:, None])[:, 0]  # (k,) q(x) of each drawn token
+    n = next((d + 1 for d, pr in enumerate(prob.tolist()) if drafting.stops_at(pr)), k)  # dynamic length
+    return Draft(draft_ids[own[:n]].tolist(), list(range(-1, n - 1)), q[:n] if q is not None else None)
+
+
+class OneForwardProposer:
+    """A proposer whose drafter drafts the whole chain in one forward per cycle, on the target's features.
+
+    Holds the drafter's KV cache (`max_len` slots), the committed sequence and the features not yet in the cache;
+    a subclass gives `_check_k(k)` (refuse a K the drafter was not trained for) and `_forward(k)` (the k rows of
+    draft logits, (k, Vd)). Tree mode drafts the same chain.
+    """
+
+    needs_aux = True
+
+    def __init__(self, head, target_vocab_size: int, max_len: int, method: str):
+        cfg = head.config
+        self.head, p = eval_head(head, target_vocab_size, method)
+        self.method, self.device = method, p.device
+        self.max_len, self.V = max_len, target_vocab_size
+        self.caches = [StaticKVCache(1, max_len, cfg.num_key_value_heads, cfg.head_dim, dtype=p.dtype, device=p.device)
+                       for _ in head.layers]
+        self.draft_ids = head.draft_to_target(torch.arange(cfg.draft_vocab_size, device=p.device))
+        self.seq: list[int] = []
+        self.pending: Optional[torch.Tensor] = None  # (T, 3H_t) features of positions not yet in the cache
+
+    def reset(self, prompt_ids):
+        self.seq, self.pending = list(prompt_ids), None
+
+    def update(self, tokens, aux):
+        """Only bookkeeping: the new features go into the cache in the next `propose`, with the draft rows."""
+        self.seq.extend(tokens)
+        self.pending = aux if self.pending is None else torch.cat([self.pending, aux])
+
+    @torch.inference_mode()
+    def propose(self, drafting: DraftingConfig, sampling: SamplingConfig, generator=None) -> Draft:
+        k = drafting.num_speculative_tokens
+        self._check_k(k)
+        return sample_chain(self._forward(k), self.draft_ids, self.V, drafting, sampling, generator)
+
+    def _pending_span(self) -> tuple[int, int, int]:
+        """(L, T, start): the committed length, the pending feature rows, the first pending position."""
+        L, T = len(self.seq), self.pending.shape[0]
+        return L, T, L - 1 - T  # the pending rows are positions [start, L-1)
+
+    def _slots_in_use(self, width: int) -> int:
+        """`width`, refused when the cache has fewer slots."""
+        if width > self.max_len:
+            raise DraftsmithError(f"{self.method} proposer cache is full (max_len={self.max_len}); raise max_len.")
+        return width
+
+    def _check_k(self, k: int) -> None:
+        raise NotImplementedError
+
+    def _forward(self, k: int) -> torch.Tensor:
+        raise NotImplementedError
