@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import torch
 from omegaconf.errors import MissingMandatoryValue
 
 from draftsmith.core import DraftsmithError, checks

@@ -136,7 +136,7 @@ def check_options(cfg) -> None:
 
 def check_engine_options(cfg) -> None:
     """engine=vllm and engine=llamacpp measure greedy chain drafting with a fixed K; one sentence otherwise."""
-    engine = getattr(cfg, "engine", "builtin")
+    engine = cfg.engine
     if engine == "builtin":
         return
     if cfg.temperature != 0:

@@ -80,7 +80,7 @@ def llamacpp_runs(cfg, drafter, k: int) -> list[dict]:
         return runs + [{"name": "ngram", "k": k, "flags": ngram(k)["flags"], "draft": False}]
     if drafter.engines.llamacpp is None:
         raise DraftsmithError(f"engine=llamacpp: {llamacpp_settings(method, drafter.engines, k)['note']}")
-    for kk in dict.fromkeys([k, *getattr(cfg, "sweep_k", [])]):
+    for kk in dict.fromkeys([k, *cfg.sweep_k]):
         runs.append({"name": run_name(method, kk, k), "k": kk, "draft": True,
                      "flags": llamacpp_settings(method, drafter.engines, kk, cfg.ngram_max)["flags"]})
     runs.append({"name": "ngram", "k": k, "flags": ngram(k)["flags"], "draft": False})
@@ -129,7 +129,7 @@ def llamacpp_report(setup, drafter, samples: dict[str, list[metrics.Sample]], re
     prompts = [s.prompt_ids for s in base]
     k = d.num_speculative_tokens
     runs = llamacpp_runs(cfg, drafter, k)
-    how = getattr(cfg, "llamacpp_target", "same")
+    how = cfg.llamacpp_target
     model = target_gguf(setup.target, how)
     ctx = max(len(p) for p in prompts) + cfg.max_new_tokens + max([r.get("k") or 0 for r in runs]) + 64
     threads = torch.get_num_threads()  # the built-in decoder's: the same cores on both sides

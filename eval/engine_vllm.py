@@ -20,7 +20,6 @@ a prompt may count differently, every earlier one must agree exactly (`steps_ide
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 from draftsmith.core import DraftsmithError, engine
@@ -65,7 +64,7 @@ def engine_runs(cfg, drafter, k: int) -> list[dict]:
     if drafter.make is None:
         return runs
     head = drafter.info.get("path")
-    for kk in dict.fromkeys([k, *getattr(cfg, "sweep_k", [])]):
+    for kk in dict.fromkeys([k, *cfg.sweep_k]):
         runs.append({"name": run_name(drafter.method, kk, k), "k": kk,
                      "speculative_config": speculative_config(drafter.method, drafter.engines, head, kk,
                                                               cfg.ngram_min, cfg.ngram_max)})
@@ -215,7 +214,7 @@ def engine_report(setup, drafter, samples: dict[str, list[metrics.Sample]], repo
         builtin_name = run["name"] if run["name"] in samples else None
         section["runs"][run["name"]] = run_section(run, got, samples.get(builtin_name), engine_base, base_tps,
                                                    base)
-        if run["speculative_config"]["method"] == "ngram" and getattr(cfg, "ngram_match", "latest") != "earliest":
+        if run["speculative_config"]["method"] == "ngram" and cfg.ngram_match != "earliest":
             section["runs"][run["name"]]["note"] = ("the built-in n-gram copies after the latest match, vLLM's after "
                                                     "the earliest: ngram_match=earliest counts as vLLM does")
     add_method_warning(section, engine_warning, drafter, result)

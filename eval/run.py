@@ -31,7 +31,7 @@ from draftsmith.core import artifacts as mf
 from draftsmith.data_gen.target import KNOWN_TARGETS, Target, load_target, resolve_target_dtype
 from draftsmith.core.engine import Engines
 from draftsmith.eval import cost, metrics
-from draftsmith.eval.config import EvalConfig, build_settings
+from draftsmith.eval.config import build_settings
 from draftsmith.eval.decoder import DraftingConfig, GenerationResult, Proposer, speculative_generate
 from draftsmith.eval.engine_llamacpp import llamacpp_report
 from draftsmith.eval.engine_vllm import engine_report
@@ -106,7 +106,7 @@ def load_drafter(cfg, target: Target, max_len: int) -> Drafter:
     if head == "ngram":
         return Drafter("ngram", lambda: ngram_proposer(cfg),
                        {"kind": "ngram", "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max,
-                        "ngram_match": getattr(cfg, "ngram_match", "latest")}, engines=NGRAM_ENGINES)
+                        "ngram_match": cfg.ngram_match}, engines=NGRAM_ENGINES)
     path = Path(head)
     if not path.is_dir():
         raise DraftsmithError(f"head={head!r} is neither `ngram`, `none` nor a folder.")
@@ -125,12 +125,12 @@ def load_drafter(cfg, target: Target, max_len: int) -> Drafter:
 
 
 def ngram_proposer(cfg) -> Proposer:
-    return NgramProposer(cfg.ngram_max, cfg.ngram_min, getattr(cfg, "ngram_match", "latest"))
+    return NgramProposer(cfg.ngram_max, cfg.ngram_min, cfg.ngram_match)
 
 
 def with_ngram_first(cfg, drafter: Drafter) -> Drafter:
     """ngram_first=true: the head drafts only when the context has no n-gram match (method `ngram+<method>`)."""
-    if not getattr(cfg, "ngram_first", False):
+    if not cfg.ngram_first:
         return drafter
     info = drafter.info | {"ngram_first": True, "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max}
     return Drafter(f"ngram+{drafter.method}", lambda: NgramFirstProposer(ngram_proposer(cfg), drafter.make()),
@@ -230,11 +230,11 @@ def run(cfg) -> dict:
     samples, hf_samples = decode_all(setup, proposers, drafter)
     report = build_report(setup, drafter, samples, hf_samples)
     report.update(cost_report(setup, drafter, samples, report))
-    if getattr(cfg, "engine", "builtin") == "vllm":  # the same prompts inside vLLM, its figures beside ours
+    if cfg.engine == "vllm":  # the same prompts inside vLLM, its figures beside ours
         path = drafter.info.get("path")
         engine_warning = method_for_folder(Path(path)).engine_warning if path else None  # the method's own hook
         report.update(engine_report(setup, drafter, samples, report, _hub_id(setup.target.target_id), engine_warning))
-    elif getattr(cfg, "engine", "builtin") == "llamacpp":  # the same prompts in llama-server
+    elif cfg.engine == "llamacpp":  # the same prompts in llama-server
         path = drafter.info.get("path")
         write_gguf = method_for_folder(Path(path)).formats.get("gguf") if path else None
         report.update(llamacpp_report(setup, drafter, samples, report, write_gguf))
@@ -254,13 +254,13 @@ def prepare(cfg) -> Setup:
     head_path = None if str(cfg.head) in BUILT_IN else cfg.head
     out = mf.prepare_output(cfg.out, "eval", [("head", head_path), ("prompts.path", cfg.prompts.path),
                                               ("target", cfg.target.name)],
-                            overwrite=bool(getattr(cfg, "overwrite", False)))
+                            overwrite=cfg.overwrite)
     prompts = load_prompts(cfg.prompts)
     dtype_why = resolve_target_dtype(cfg.target)  # target.dtype=auto -> this machine's choice (saved in config.yaml)
     target = load_target(cfg.target, layers=head_layers(head_path))  # the features the head reads
     max_len = runner_max_len(cfg, target.tokenizer, prompts, drafting)
     runner = TargetRunner(target.model, max_len, target.aux_layer_ids,
-                          cuda_graph=getattr(cfg, "cuda_graph", EvalConfig.cuda_graph))
+                          cuda_graph=cfg.cuda_graph)
     return Setup(cfg, sampling, drafting, out, prompts, target, runner, dtype_why=dtype_why)
 
 
@@ -458,7 +458,7 @@ def build_report(setup: Setup, drafter: Drafter, samples: dict[str, list[metrics
         "drafting": {"mode": drafting.mode, "num_speculative_tokens": drafting.num_speculative_tokens,
                      "tree_top_k": drafting.tree_top_k, "tree_budget": drafting.tree_budget,
                      "stop_below": drafting.stop_below},
-        "sweep_k": sorted({drafting.num_speculative_tokens, *getattr(cfg, "sweep_k", [])}),
+        "sweep_k": sorted({drafting.num_speculative_tokens, *cfg.sweep_k}),
         "prompts": {"source": cfg.prompts.source, "path": cfg.prompts.path, "n": cfg.prompts.n,
                     "per_category": cfg.prompts.per_category, "multi_turn": cfg.prompts.multi_turn,
                     "seed": cfg.prompts.seed, "ids": [p.id for p in setup.prompts]},
