@@ -95,19 +95,17 @@ def _show(value) -> str:
 
 
 def option_rows(cls, node, prefix: str = ""):
-    """(dotted option, default, description) for every field of a schema dataclass, nested ones expanded."""
+    """(dotted option, default, description) for every field of a schema dataclass, nested ones expanded; `node`
+    is the composed config (the typed tree configs.compose returns)."""
     import dataclasses
-
-    from omegaconf import DictConfig, OmegaConf
 
     docs = field_docs(cls)
     for f in dataclasses.fields(cls):
         name = prefix + f.name
-        missing = OmegaConf.is_missing(node, f.name)
-        child = None if missing else node[f.name]
-        sub = OmegaConf.get_type(child) if isinstance(child, DictConfig) else None
-        if sub is not None and dataclasses.is_dataclass(sub):
-            yield from option_rows(sub, child, name + ".")
+        child = getattr(node, f.name)
+        missing = child == "???"
+        if dataclasses.is_dataclass(child):
+            yield from option_rows(type(child), child, name + ".")
             continue
         doc = docs.get(f.name, "")
         if doc.startswith("tests only: "):
@@ -197,8 +195,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def task(cfg) -> None:
         try:
-            check_config(config_name, cfg)
-            result = stage.run(cfg)
+            result = stage.run(check_config(config_name, cfg))  # the typed config tree
         except DraftsmithError as e:
             fail(e)
         # Stages return data; the few lines a person reads are printed here, by the stage's `summary`.

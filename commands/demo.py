@@ -238,7 +238,7 @@ def prepare_demo_folder(out: Path, overwrite: bool) -> None:
                 mf.claim_output(out / name, stage)
 
 
-def run(cfg) -> dict:
+def run(cfg: DemoConfig) -> dict:
     """Run (or skip / resume) the three stages, sized to the budget first where the flavour asks for it; returns
     {"seconds": {stage: s, "total": s}, "skipped": [...], "plan": ... (budgeted flavours), "report": eval report}."""
     s = sizes(cfg)

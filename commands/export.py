@@ -60,7 +60,7 @@ def is_set(cfg, key: str) -> bool:
     return bool(value) and value != "???"
 
 
-def run(cfg) -> Path:
+def run(cfg: ExportConfig) -> Path:
     """Load the head folder `cfg.head` with its method, write it to `cfg.out` in `cfg.format`, return the path."""
     if not is_set(cfg, "head"):
         raise DraftsmithError("export.head is not set: pass head=<folder written by draftsmith train>.")

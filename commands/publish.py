@@ -642,7 +642,7 @@ def has_token() -> bool:
 # The stage
 
 
-def run(cfg) -> dict:
+def run(cfg: PublishConfig) -> dict:
     """Check everything, write the publish folder, and (unless dry_run) upload it; returns what was done."""
     for key, hint in (("head", "head=<draftsmith train out/ folder>"), ("repo_id", "repo_id=<owner>/<name>")):
         if not is_set(cfg, key):

@@ -56,10 +56,11 @@ def register_configs(config_name: str) -> None:
 
 
 def compose(config_name: str, overrides: list[str] | None = None, *, missing_ok: bool = True):
-    """Compose a stage's config as the CLI would (for tests and programmatic use) and check it.
+    """Compose a stage's config as the CLI would (for tests and programmatic use), check it and return the typed
+    tree (the stage's schema dataclass, nested dataclasses inside), which the stage's `run` takes.
 
     A bad override or option value raises DraftsmithError (one sentence). `???` options (a required
-    path) may stay unset unless `missing_ok=False`, as the CLI asks before running a stage."""
+    path) may stay unset ('???') unless `missing_ok=False`, as the CLI asks before running a stage."""
     register_configs(config_name)
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
@@ -67,8 +68,7 @@ def compose(config_name: str, overrides: list[str] | None = None, *, missing_ok:
             cfg = hydra_compose(config_name=config_name, overrides=list(overrides or []))
         except Exception as e:  # Hydra / OmegaConf composition errors: one sentence
             raise composition_error(config_name, e) from None
-    check_config(config_name, cfg, missing_ok=missing_ok)
-    return cfg
+    return check_config(config_name, cfg, missing_ok=missing_ok)
 
 
 def command_name(config_name: str) -> str:
@@ -83,12 +83,13 @@ REQUIRED_HINTS = {
 }
 
 
-def check_config(config_name: str, cfg, *, missing_ok: bool = False) -> None:
-    """Refuse a stage config with one sentence (DraftsmithError) before any work is done.
+def check_config(config_name: str, cfg, *, missing_ok: bool = False):
+    """Refuse a stage config with one sentence (DraftsmithError) before any work is done; return it typed.
 
     Checks that every key is an option of the stage's schema (a `+key=value` typo is not silently
     kept), that required (`???`) options are set unless `missing_ok`, and builds the schema
-    dataclasses from the values so that their `__post_init__` range checks run."""
+    dataclasses from the values so that their `__post_init__` range checks run. What comes back is that
+    tree: a new object (the stage's schema dataclass), so a stage that resolves `auto` never touches the caller's."""
     if not OmegaConf.is_config(cfg):
         cfg = OmegaConf.structured(cfg)
     cls = schema(config_name)
@@ -102,6 +103,7 @@ def check_config(config_name: str, cfg, *, missing_ok: bool = False) -> None:
     built = _instantiate(cls, cfg)
     if not missing_ok:
         _check_required(built)
+    return built
 
 
 def _check_required(obj) -> None:

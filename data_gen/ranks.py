@@ -46,13 +46,13 @@ MERGE_LOCK = ".merge.lock"  # in parts/: created by the rank that merges
 FINALIZE = ".finalize.lock"  # in hidden_states/: held by the rank writing the final index and manifest
 
 
-def use_rank_device(cfg) -> None:
+def rank_device(device: str) -> str:
     """Ranks: target.device=cuda means this rank's GPU, cuda:LOCAL_RANK (modulo the visible GPUs: a
     launcher that gives each rank its own CUDA_VISIBLE_DEVICES leaves LOCAL_RANK unset, hence cuda:0)."""
-    if cfg.target.device != "cuda":
-        return
+    if device != "cuda":
+        return device
     count = max(torch.cuda.device_count(), 1)
-    cfg.target.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % count}"
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % count}"
 
 
 def acquire_lock(out: Path, rank: int = 0) -> Path:

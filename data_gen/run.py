@@ -42,11 +42,13 @@ A resumed run writes the same output as an uninterrupted one: chunk bounds and b
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import sys
 import time
 from collections import Counter
+from operator import attrgetter
 from pathlib import Path
 
 import datasets
@@ -56,14 +58,15 @@ from draftsmith.core import DraftsmithError
 from draftsmith.core import artifacts as mf
 from draftsmith.data_gen.capture import WRITTEN as CAPTURE_FILES
 from draftsmith.data_gen.capture import FEATURE_SOURCES, capture_hidden_states, num_shards
+from draftsmith.data_gen.config import DataGenConfig
 from draftsmith.data_gen.filters import filter_answers
 from draftsmith.data_gen.prompts import filter_counts_text, load_prompts
 from draftsmith.data_gen.ranks import (FINALIZE, KEY, PARTS, STATE, acquire_lock, another_rank_writes_the_manifest,
                                        claim_merge, finish_capture, part_folder, rank_chunks, rank_result,
                                        read_counts, read_parts, release_locks, remove_parts, set_ready,
-                                       use_rank_device, wait_for_merged_set)
+                                       rank_device, wait_for_merged_set)
 from draftsmith.data_gen.regenerate import BACKENDS, SamplingParams, make_backend, regenerate_all
-from draftsmith.data_gen.target import Target, load_target, resolve_target_dtype, torch_dtype
+from draftsmith.data_gen.target import Target, load_target, resolved_target, torch_dtype
 from draftsmith.data_gen.tokenize import tokenize_samples
 from draftsmith.data_gen.topk import WRITTEN as TOPK_FILES
 from draftsmith.data_gen.topk import capture_topk
@@ -116,11 +119,11 @@ def check_settings(cfg) -> None:
     """Refuse settings used only after regeneration (tokenization, capture) before any work is done."""
     choices = {"on_overflow": ("truncate", "drop"), "reasoning": ("keep", "strip"), "backend.kind": tuple(BACKENDS)}
     for key, allowed in choices.items():
-        value = OmegaConf.select(cfg, key)
+        value = attrgetter(key)(cfg)
         if value not in allowed:
             raise DraftsmithError(f"{key}={value!r} is not one of {', '.join(allowed)}.")
     for key in ("regenerate_chunk", "samples_per_shard", "capture_batch_size", "max_length"):
-        value = OmegaConf.select(cfg, key)
+        value = attrgetter(key)(cfg)
         if not isinstance(value, int) or value < 1:
             raise DraftsmithError(f"{key}={value!r} must be a whole number of at least 1.")
     if cfg.hidden_states:
@@ -305,7 +308,9 @@ def check_failures(cfg, samples: list[dict], failures: dict, prompts: int, folde
 
 
 def _as_dict(node) -> dict:
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(vars(node))
+    if OmegaConf.is_config(node):
+        return OmegaConf.to_container(node, resolve=True)
+    return dataclasses.asdict(node) if dataclasses.is_dataclass(node) else dict(vars(node))
 
 
 def load_prompts_cached(cfg, target, identity: dict, out: Path) -> tuple[list[dict], dict]:
@@ -361,13 +366,13 @@ def write_sets(folder: Path, conversations: list[dict], rows: list[dict], counts
 
 # --- the stage: prompts -> sets -> capture -> manifest --------------------------------------------
 
-def run(cfg) -> dict:
+def run(cfg: DataGenConfig) -> dict:
     """Run the stage; returns a summary dict (paths, counts, seconds).
 
     Under torchrun a rank whose share is done while another rank finishes returns its own summary
     (draftsmith.data_gen.ranks)."""
     t0 = time.perf_counter()
-    out, target, identity, dtype_why, rank, world = prepare(cfg)
+    cfg, out, target, identity, dtype_why, rank, world = prepare(cfg)
     lock = acquire_lock(out, rank)
     remove_temporaries(out, world)
     finalize = None  # the lock of the rank that writes the final index and manifest (ranks, hidden states)
@@ -395,23 +400,24 @@ def run(cfg) -> dict:
             "hidden_states": hidden, "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def prepare(cfg) -> tuple[Path, Target, dict, str, int, int]:
-    """Check `out` and the settings (before any work), place this rank, load the target (lazily);
-    (out, target, its identity, why its dtype, rank, world size)."""
+def prepare(cfg: DataGenConfig) -> tuple[DataGenConfig, Path, Target, dict, str, int, int]:
+    """Check `out` and the settings (before any work), place this rank, load the target (lazily); (the config
+    with target.device and target.dtype=auto resolved: a new one, out, target, its identity, why its dtype, rank,
+    world size)."""
     out = mf.prepare_output(cfg.out, "data_gen", [("prompts.path", cfg.prompts.path), ("target", cfg.target.name)],
                             overwrite=bool(cfg.overwrite))
     mf.refuse_links(out, SUBFOLDERS)  # never written (nor removed) through
     rank, world = rank_world()
     check_settings(cfg)  # before loading the target: nothing below may fail late on a bad setting
-    if world > 1:
-        use_rank_device(cfg)
-    dtype_why = resolve_target_dtype(cfg.target)  # target.dtype=auto -> this machine's choice, before any key uses it
+    target_cfg = dataclasses.replace(cfg.target, device=rank_device(cfg.target.device)) if world > 1 else cfg.target
+    target_cfg, dtype_why = resolved_target(target_cfg)  # dtype=auto -> this machine's choice, before any key uses it
+    cfg = dataclasses.replace(cfg, target=target_cfg)
     # the weights load where first used (generation, capture); features from the layers hidden_states_for asks for
     target = load_target(cfg.target, lazy=True, layers=feature_layers(cfg) if cfg.hidden_states else None)
     identity = target.identity()
     check_out_folder(out, identity)
     mf.claim_output(out, "data_gen")  # before the first write: a rerun then knows the folder as its own
-    return out, target, identity, dtype_why, rank, world
+    return cfg, out, target, identity, dtype_why, rank, world
 
 
 def remove_temporaries(out: Path, world: int) -> None:

@@ -11,6 +11,7 @@ Targets come from transformers unmodified; features are read with `output_hidden
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -91,13 +92,12 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def resolve_target_dtype(cfg: TargetConfig) -> str:
-    """Replace target.dtype=auto by the dtype this machine computes fastest in on target.device (in place, so
-    the saved config and every setting keyed by the dtype name the one used); returns why (draftsmith.core.machine)."""
+def resolved_target(cfg: TargetConfig) -> tuple[TargetConfig, str]:
+    """The target config with dtype=auto replaced by the dtype this machine computes fastest in on target.device
+    (a new config: the stage saves it, so its config.yaml and every setting keyed by the dtype name the one used),
+    and why (draftsmith.core.machine)."""
     dtype, why = machine.resolve_dtype(cfg.dtype, cfg.device)
-    if cfg.dtype == "auto":
-        cfg.dtype = machine.dtype_name(dtype)
-    return why
+    return (dataclasses.replace(cfg, dtype=machine.dtype_name(dtype)) if cfg.dtype == "auto" else cfg), why
 
 
 def model_dtype(cfg: TargetConfig) -> torch.dtype:

@@ -28,10 +28,10 @@ from transformers import PreTrainedModel
 
 from draftsmith.core import DraftsmithError, machine
 from draftsmith.core import artifacts as mf
-from draftsmith.data_gen.target import KNOWN_TARGETS, Target, load_target, resolve_target_dtype
+from draftsmith.data_gen.target import KNOWN_TARGETS, Target, load_target, resolved_target
 from draftsmith.core.engine import Engines
 from draftsmith.eval import cost, metrics
-from draftsmith.eval.config import build_settings
+from draftsmith.eval.config import EvalConfig, build_settings
 from draftsmith.eval.decoder import DraftingConfig, GenerationResult, Proposer, speculative_generate
 from draftsmith.eval.engine_llamacpp import llamacpp_report
 from draftsmith.eval.engine_vllm import engine_report
@@ -203,7 +203,7 @@ def runner_max_len(cfg, tokenizer, prompts: list[EvalPrompt], drafting: Drafting
 class Setup:
     """What every step of a run reads: the config, the decoder's settings, out folder, prompts, target."""
 
-    cfg: object
+    cfg: EvalConfig  # target.dtype=auto resolved
     sampling: SamplingConfig
     drafting: DraftingConfig
     out: Path
@@ -219,9 +219,10 @@ class Setup:
                                    self.sampling, drafting, self.target.eos_token_ids, self.cfg.seed)
 
 
-def run(cfg) -> dict:
+def run(cfg: EvalConfig) -> dict:
     """Evaluate `cfg.head` on `cfg.prompts`; returns the report (also written under cfg.out)."""
     setup = prepare(cfg)
+    cfg = setup.cfg  # target.dtype=auto resolved
     drafter = load_drafter(cfg, setup.target, setup.runner.max_len)
     proposers = method_proposers(cfg, drafter)
     add_sweep(setup, drafter, proposers)
@@ -248,7 +249,7 @@ def summary(report: dict) -> str:
     return summary_lines(report)
 
 
-def prepare(cfg) -> Setup:
+def prepare(cfg: EvalConfig) -> Setup:
     """Check the settings and `out` (before any work), read the prompts, load the target and its runner."""
     sampling, drafting = build_settings(cfg)
     head_path = None if str(cfg.head) in BUILT_IN else cfg.head
@@ -256,7 +257,8 @@ def prepare(cfg) -> Setup:
                                               ("target", cfg.target.name)],
                             overwrite=cfg.overwrite)
     prompts = load_prompts(cfg.prompts)
-    dtype_why = resolve_target_dtype(cfg.target)  # target.dtype=auto -> this machine's choice (saved in config.yaml)
+    target_cfg, dtype_why = resolved_target(cfg.target)  # dtype=auto -> this machine's choice (saved in config.yaml)
+    cfg = dataclasses.replace(cfg, target=target_cfg)
     target = load_target(cfg.target, layers=head_layers(head_path))  # the features the head reads
     max_len = runner_max_len(cfg, target.tokenizer, prompts, drafting)
     runner = TargetRunner(target.model, max_len, target.aux_layer_ids,

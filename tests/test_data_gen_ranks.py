@@ -86,13 +86,11 @@ def test_rank_device(monkeypatch, local_rank, count, device, expected):
 
     import torch
 
-    from draftsmith.data_gen.ranks import use_rank_device
+    from draftsmith.data_gen.ranks import rank_device
 
     if local_rank is None:
         monkeypatch.delenv("LOCAL_RANK", raising=False)
     else:
         monkeypatch.setenv("LOCAL_RANK", local_rank)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
-    cfg = SimpleNamespace(target=SimpleNamespace(device=device))
-    use_rank_device(cfg)
-    assert cfg.target.device == expected
+    assert rank_device(device) == expected

@@ -103,15 +103,16 @@ def test_auto_on_avx512_without_avx512_bf16_is_fp32(monkeypatch):
 def test_two_auto_runs_on_a_bf16_cpu_without_amx_write_equal_manifests(monkeypatch):
     """What data-gen writes of `auto` (target_dtype's dtype and why) is the same in two runs whatever a bf16
     timing would have said: nothing timed identifies an output."""
-    from draftsmith.data_gen.target import TargetConfig, resolve_target_dtype
+    from draftsmith.data_gen.target import TargetConfig, resolved_target
 
     records = []
     for fake_seconds in (1 / 3.3, 1 / 3.9):  # the two figures the old rule wrote on Zen 5
         machine._decide.cache_clear()  # a new process: nothing decided yet
         on_cpu(monkeypatch, ZEN4, fake_seconds)
-        cfg = TargetConfig(name="tiny", dtype="auto")
-        why = resolve_target_dtype(cfg)
+        requested = TargetConfig(name="tiny", dtype="auto")
+        cfg, why = resolved_target(requested)
         records.append({"dtype": cfg.dtype, "why": why})
+        assert requested.dtype == "auto"  # resolved into a new config, the requested one untouched
     assert records[0] == records[1] and records[0]["dtype"] == "bfloat16"
 
 
@@ -326,14 +327,15 @@ def test_fp16_with_deepspeed_auto_needs_several_processes(monkeypatch):
     assert compose("train", ["data=/x", "precision=fp16"]).precision == "fp16"
 
 
-def test_train_resolves_every_auto_in_place(monkeypatch):
+def test_train_resolves_every_auto_into_a_new_config_and_a_record(monkeypatch):
     from draftsmith.train.run import resolve_auto
 
     on_cpu(monkeypatch, AVX2)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    cfg = compose("train", ["data=/x", "target=tiny"])
-    resolved = resolve_auto(cfg)
+    requested = compose("train", ["data=/x", "target=tiny"])
+    cfg, resolved = resolve_auto(requested)
     assert (cfg.target.dtype, cfg.precision, cfg.deepspeed.config) == ("float32", "fp32", "none")
+    assert (requested.target.dtype, requested.precision, requested.deepspeed.config) == ("auto", "auto", "auto")
     assert resolved["deepspeed"] == {"requested": "auto", "value": "none", "why": "one process: plain torch, no DeepSpeed"}
     assert resolved["precision"]["why"] == resolved["target.dtype"]["why"] == \
         "this CPU (AMD EPYC 7B13 64-Core Processor, AVX2) has no native bf16 matmul"

@@ -16,6 +16,7 @@ run(cfg) returns {"out", "final", "mode", "steps", "metrics" (last step), "val" 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -31,9 +32,10 @@ from draftsmith.core import DraftsmithError, machine
 from draftsmith.core.artifacts import (OWNER, atomic_write_bytes, atomic_write_json, claim_output, clean_temporaries,
                                   is_empty, owner_of, prepare_output, refuse_links, remove_written)
 from draftsmith.configs import check_config
-from draftsmith.data_gen.target import load_target, resolve_target_dtype
+from draftsmith.data_gen.target import load_target, resolved_target
 from draftsmith.core.methods import Method, method_for_config, trainable
 from draftsmith.train import checkpoint as ckpt
+from draftsmith.train.config import TrainConfig
 from draftsmith.train.data import load_data
 from draftsmith.train.trainer import (Logger, TrainerConfig, autocast, evaluate, init_distributed,
                                       load_checkpoint, resolve_deepspeed, resolve_precision, train_loop,
@@ -42,8 +44,9 @@ from draftsmith.train.trainer import (Logger, TrainerConfig, autocast, evaluate,
 log = logging.getLogger(__name__)
 
 
-def validate(cfg) -> None:
-    """Refuse bad option values with one sentence naming the option (the checks live in TrainConfig).
+def validate(cfg) -> TrainConfig:
+    """Refuse bad option values with one sentence naming the option (the checks live in TrainConfig); the typed
+    config tree (a new TrainConfig, whatever `cfg` was: a composed config or one built in code).
 
     TrainConfig names no method: `draftsmith train` takes configs/train.yaml's default, and a TrainConfig built in
     code without one is refused here, never trained with a method it did not name."""
@@ -51,7 +54,7 @@ def validate(cfg) -> None:
         raise DraftsmithError(f"method= is required: one of {', '.join(trainable())} "
                               f"(`draftsmith train method=<name>`; in code, TrainConfig(method=...) with that method's "
                               f"draftsmith.train.<name>.Config()).")
-    check_config("train", cfg)
+    return check_config("train", cfg)
 
 
 def compat_fields(cfg, identity: dict, world: int, n_train: int, total_steps: int) -> dict:
@@ -61,7 +64,7 @@ def compat_fields(cfg, identity: dict, world: int, n_train: int, total_steps: in
     same micro-batches, whatever the process count (batch_order depends on the global batch only), so the
     process count may change when the global batch stays. Not under ZeRO: its optimizer state is split per
     process and DeepSpeed refuses another data-parallel size, so there world_size must stay too."""
-    method_options = {f"method.{k}": v for k, v in OmegaConf.to_container(cfg.method, resolve=True).items()}
+    method_options = {f"method.{k}": v for k, v in dataclasses.asdict(cfg.method).items()}
     fields = {"method": cfg.method.name, **method_options, "target_hash": identity["target_hash"],
               "tokenizer_hash": identity["tokenizer_hash"], "hidden_size": identity["hidden_size"],
               "deepspeed": cfg.deepspeed.config, "micro_batch_size": cfg.micro_batch_size,
@@ -75,18 +78,21 @@ def compat_fields(cfg, identity: dict, world: int, n_train: int, total_steps: in
     return fields
 
 
-def resolve_auto(cfg) -> dict:
-    """Replace target.dtype, precision and deepspeed `auto` by what this machine and launch call for, in place
-    (the saved config, the checkpoints' config and their compat then name what ran); returns
-    {option: {"requested", "value", "why"}} for the checkpoints' record. Call once cfg.device is this process's."""
-    requested = {"target.dtype": cfg.target.dtype, "precision": cfg.precision, "deepspeed": cfg.deepspeed.config}
-    why = {"target.dtype": resolve_target_dtype(cfg.target)}
-    cfg.precision, why["precision"] = resolve_precision(cfg.precision, cfg.device)
-    cfg.deepspeed.config, why["deepspeed"] = resolve_deepspeed(cfg.deepspeed.config, optimizer=cfg.optimizer)
-    if requested["deepspeed"] == "auto":
-        log.info(f"deepspeed auto -> {cfg.deepspeed.config}: {why['deepspeed']}")
-    values = {"target.dtype": cfg.target.dtype, "precision": cfg.precision, "deepspeed": cfg.deepspeed.config}
-    return {k: {"requested": requested[k], "value": values[k], "why": why[k]} for k in values}
+def resolve_auto(cfg: TrainConfig) -> tuple[TrainConfig, dict]:
+    """The config with target.dtype, precision and deepspeed `auto` replaced by what this machine and launch call
+    for (a new config: the saved config, the checkpoints' config and their compat then name what ran), and the
+    record {option: {"requested", "value", "why"}} the checkpoints keep. Call once cfg.device is this process's."""
+    target, dtype_why = resolved_target(cfg.target)
+    precision, precision_why = resolve_precision(cfg.precision, cfg.device)
+    deepspeed, deepspeed_why = resolve_deepspeed(cfg.deepspeed.config, optimizer=cfg.optimizer)
+    if cfg.deepspeed.config == "auto":
+        log.info(f"deepspeed auto -> {deepspeed}: {deepspeed_why}")
+    resolved = dataclasses.replace(cfg, target=target, precision=precision,
+                                   deepspeed=dataclasses.replace(cfg.deepspeed, config=deepspeed))
+    record = {"target.dtype": (cfg.target.dtype, target.dtype, dtype_why),
+              "precision": (cfg.precision, precision, precision_why),
+              "deepspeed": (cfg.deepspeed.config, deepspeed, deepspeed_why)}
+    return resolved, {k: {"requested": r, "value": v, "why": w} for k, (r, v, w) in record.items()}
 
 
 def seed_everything(seed: int) -> None:
@@ -169,17 +175,14 @@ def save_final(method: Method, w, drafter: torch.nn.Module, folder: Path, identi
             method.save(cpu, folder, identity)
 
 
-def run(cfg) -> dict:
+def run(cfg: TrainConfig) -> dict:
     """Train; see the module docstring for what comes back."""
-    if not OmegaConf.is_config(cfg):
-        cfg = OmegaConf.structured(cfg)
-    validate(cfg)
+    cfg = validate(cfg)
     out = check_output(cfg)
     method = method_for_config(cfg.method)
-    if cfg.device == "cuda":  # one device per process
-        cfg.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
-    cfg.target.device = cfg.device  # the target runs beside the drafter
-    resolved = resolve_auto(cfg)
+    device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cfg.device == "cuda" else cfg.device  # one per process
+    cfg = dataclasses.replace(cfg, device=device, target=dataclasses.replace(cfg.target, device=device))  # beside it
+    cfg, resolved = resolve_auto(cfg)
     trainer = TrainerConfig.from_train(cfg)
     rank, world = init_distributed(trainer)
 
@@ -207,7 +210,7 @@ def run(cfg) -> dict:
     w = wrap_for_training(step_module, trainer, world, total_steps)
     if resume is not None:
         load_checkpoint(w, resume, rank)
-    config_dict = OmegaConf.to_container(cfg, resolve=True)
+    config_dict = dataclasses.asdict(cfg)
     if rank == 0:
         start_run_files(cfg, out, resume, start_step)
 
