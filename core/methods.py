@@ -11,7 +11,7 @@ A method has the same files in each stage, each with the same hooks; its row onl
                                  FORMATS {format: writer(drafter, folder, manifest_target, options) -> Path},
                                  card(options, formats, commands) -> the model card's parts;
                                  optional: claims(config.json) -> bool, FOREIGN_ARCHITECTURES {arch: why not here},
-                                 target_layer_ids(num_layers) -> the target layers whose hidden states it reads
+                                 aux_layer_ids(num_layers) -> the target layers whose hidden states it reads
                                  (data-gen captures them, train and eval compute them; absent: it reads none),
                                  engine_warning(drafter, result) -> one sentence or None: where a serving engine's
                                  run (eval engine=vllm: the job's result) computes the drafter otherwise than its
@@ -55,7 +55,7 @@ class Folders(Protocol):
     def load(self, folder: Path, target: Any = None) -> Any: ...  # checked against the target when given
     def save(self, drafter: Any, folder: Path, identity: dict) -> Path: ...
     def card(self, options: dict, formats: list[str], commands: dict) -> dict: ...
-    # optional: def target_layer_ids(self, num_layers: int) -> list[int]: ...  (a drafter fed by target features)
+    # optional: def aux_layer_ids(self, num_layers: int) -> list[int]: ...  (a drafter fed by target features)
 
 
 class Training(Protocol):
@@ -110,9 +110,9 @@ class Method:
         return getattr(self.heads, "claims", None)
 
     @property
-    def target_layer_ids(self) -> Optional[Callable[[int], list[int]]]:
+    def aux_layer_ids(self) -> Optional[Callable[[int], list[int]]]:
         """num_layers -> the target layers the drafter reads (its request to data-gen, train and eval); None: none."""
-        return getattr(self.heads, "target_layer_ids", None)
+        return getattr(self.heads, "aux_layer_ids", None)
 
     @property
     def engine_warning(self) -> Optional[Callable[[Any, dict], Optional[str]]]:

@@ -136,11 +136,11 @@ def check_settings(cfg) -> None:
 
 def feature_layers(cfg):
     """The layer request of `hidden_states_for` (a method whose drafter reads target features)."""
-    fed = [name for name, m in methods().items() if m.target_layer_ids is not None]
+    fed = [name for name, m in methods().items() if m.aux_layer_ids is not None]
     if cfg.hidden_states_for not in fed:
         raise DraftsmithError(f"hidden_states_for={cfg.hidden_states_for!r}: hidden states are captured for a method "
                               f"that reads them, one of {', '.join(fed)}.")
-    return methods()[cfg.hidden_states_for].target_layer_ids
+    return methods()[cfg.hidden_states_for].aux_layer_ids
 
 
 # --- regeneration, saved chunk by chunk -------------------------------------------------------

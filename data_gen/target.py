@@ -236,7 +236,7 @@ def load_target(cfg: TargetConfig, lazy: bool = False,
                 layers: Optional[Callable[[int], Optional[list[int]]]] = None) -> Target:
     """Build a Target from its config: preset, GGUF file, or HF folder / hub id.
 
-    `layers`: the drafting method's request (its row's `target_layer_ids`, num_layers -> layer ids) for the
+    `layers`: the drafting method's request (its row's `aux_layer_ids`, num_layers -> layer ids) for the
     layers whose hidden states `features` returns; `target.aux_layer_ids`, when set, overrides it.
 
     lazy=True reads only the tokenizer, chat template, config and identity (the same target_hash as a

@@ -71,13 +71,13 @@ def find_head_folder(path: Path) -> Path:
 
 
 def head_layers(head: Optional[str]):
-    """The target layers the head's method reads (its row's `target_layer_ids`); None for none, ngram or no folder
+    """The target layers the head's method reads (its row's `aux_layer_ids`); None for none, ngram or no folder
     (load_drafter then says what is wrong with it)."""
     if head is None or not Path(head).is_dir():
         return None
     try:
         folder = find_head_folder(Path(head))
-        return method_for_folder(folder, read_folder_config(folder)).target_layer_ids
+        return method_for_folder(folder, read_folder_config(folder)).aux_layer_ids
     except DraftsmithError:
         return None
 

@@ -204,7 +204,7 @@ def save_speculators_dflash(head: DFlashHead, folder: str | os.PathLike, verifie
 
 # the target layers it reads (low, middle, high: EAGLE-3's, so data-gen's shards serve it), captured by data-gen and
 # computed by train / eval's runner; its folders always name them
-target_layer_ids = default_aux_layer_ids
+aux_layer_ids = default_aux_layer_ids
 load_checked, save = folder_hooks(load_dflash, save_dflash)
 
 

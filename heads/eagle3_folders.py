@@ -170,7 +170,7 @@ def eagle3_for_gguf(head: Eagle3Head, folder: Path, manifest_target: Optional[di
 # ---- the method table's hooks (draftsmith.core.methods) --------------------------------------------------
 
 # the target layers it reads (low, middle, high), captured by data-gen and computed by train / eval's runner
-target_layer_ids = default_aux_layer_ids
+aux_layer_ids = default_aux_layer_ids
 load, save = folder_hooks(load_eagle3, save_eagle3)
 # gguf: for `llama-server -md` (--spec-type draft-eagle3); the converter reads the target's config and tokenizer
 FORMATS = {"eagle3": export_writer(save_eagle3), "speculators": speculators_writer(save_speculators),

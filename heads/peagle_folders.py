@@ -144,7 +144,7 @@ claims = is_peagle_folder
 
 
 # the target layers it reads (low, middle, high), captured by data-gen and computed by train / eval's runner
-target_layer_ids = default_aux_layer_ids
+aux_layer_ids = default_aux_layer_ids
 load, save = folder_hooks(load_peagle, save_peagle)
 # formats other methods have that this one cannot be written in: export says why in one sentence
 UNSERVED_FORMATS = {"gguf": "llama.cpp has no P-EAGLE loader (no parallel-drafting graph in its tree); export "

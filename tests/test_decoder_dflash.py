@@ -5,8 +5,11 @@ control failing)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
-from test_decoder_peagle import N_RUNS, PROMPT, SAMPLING_V, _chi2_pvalue, _exact_joint, _target
+from method_checks import (SAMPLING_V, SAMPLINGS, RecordsForwards, check_drafts_match_from_scratch,
+                           check_draft_forwards_attend_only_to_the_slots_in_use,
+                           check_greedy_is_token_identical_to_target_only, init_from_used_tokens, randomize_weights,
+                           speculative_sampling_pvalue)
+from test_decoder_peagle import _target
 
 from draftsmith.eval import decoder
 from draftsmith.eval.decoder import DraftingConfig, SamplingConfig, speculative_generate
@@ -23,30 +26,15 @@ def _head(target, used: list[int], seed=4, layers=2, scale=1.0, block_size=8, au
     torch.manual_seed(seed)
     V, Vd = target.config.vocab_size, len(used)
     head = DFlashHead(dflash_config_from_target(target.config, Vd, layers, block_size, V - 1, aux)).double().eval()
-    used = torch.tensor(used)
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[used] = True
-    head.init_from_target(target, used - torch.arange(Vd), t2d)
+    init_from_used_tokens(head, target, used)
+    randomize_weights(head, ("fc", "layers", "hidden_norm"))  # random everywhere, so a wrong wiring shows
     with torch.no_grad():
-        for name, p in head.named_parameters():
-            if name.startswith(("fc", "layers", "hidden_norm")):  # random everywhere, so a wrong wiring shows
-                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
         head.lm_head.weight.mul_(scale)
     return head
 
 
-class RecordingProposer(DFlashProposer):
+class RecordingProposer(RecordsForwards, DFlashProposer):
     """Keeps, per cycle: the committed sequence and the k rows of draft logits of the one forward."""
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.rounds, self.forwards = [], 0
-
-    def _forward(self, k):
-        self.forwards += 1
-        logits = super()._forward(k)
-        self.rounds.append((list(self.seq), logits.clone()))
-        return logits
 
 
 def _from_scratch(head, target, seq, k):
@@ -64,37 +52,17 @@ def _from_scratch(head, target, seq, k):
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])
 def test_one_forward_per_cycle_drafts_what_the_drafter_computes_from_scratch(sampling):
-    V, K = 12, 4
-    target = _target(V)
+    target = _target(12)
     head = _head(target, [0, 1, 2, 4, 5, 7, 8, 10, 11])
-    proposer = RecordingProposer(head, V, 96)
-    g = torch.Generator().manual_seed(0)
-    res = speculative_generate(TargetRunner(target, 96, AUX), proposer, torch.tensor([3, 1, 4, 1, 5, 9, 2, 6]), 40,
-                               sampling, DraftingConfig("chain", K), [], generator=g)
-    assert len(res.tokens) == 40
-    assert proposer.forwards == len(proposer.rounds) <= res.n_verifications  # one drafter forward per cycle
+    _, proposer = check_drafts_match_from_scratch(RecordingProposer, head, target, AUX, sampling, _from_scratch, 4)
     assert len(proposer.rounds) > 3
-    for seq, logits in proposer.rounds:
-        assert logits.shape[0] == K
-        torch.testing.assert_close(logits, _from_scratch(head, target, seq, K), rtol=1e-9, atol=1e-9)
 
 
 def test_draft_forwards_attend_only_to_the_slots_in_use(monkeypatch):
-    widths, sdpa = [], F.scaled_dot_product_attention
-
-    def spy(q, k, v, attn_mask=None, **kw):
-        widths.append(k.shape[-2])
-        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
-
     V = 12
     target = _target(V)
     proposer = DFlashProposer(_head(target, list(range(V))), V, 4096)
-    prompt = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    res = speculative_generate(TargetRunner(target, 64, AUX), proposer, prompt, 20, SamplingConfig(),
-                               DraftingConfig("chain", 5), [])
-    assert len(res.tokens) == 20 and widths
-    assert max(widths) <= len(prompt) + 20 + 5 + 1
+    check_draft_forwards_attend_only_to_the_slots_in_use(monkeypatch, proposer, target, AUX, extra_slots=1)
 
 
 def test_stop_below_shortens_the_chain_only():
@@ -135,39 +103,21 @@ def test_greedy_is_token_identical_to_target_only(k):
     from draftsmith.data_gen.target import TargetConfig, load_target
 
     tiny = load_target(TargetConfig(name="tiny", dtype="float64"))
-    runner = TargetRunner(tiny.model, 256, tiny.aux_layer_ids)
     torch.manual_seed(0)
     used = torch.sort(torch.randperm(tiny.vocab_size)[:200]).values.tolist()
     head = _head(tiny.model, used, aux=tiny.aux_layer_ids)
-    proposer = DFlashProposer(head, tiny.vocab_size, 256)
-    for seed in range(2):
-        prompt = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(seed))
-        plain = speculative_generate(runner, None, prompt, 30, SamplingConfig(), DraftingConfig(), []).tokens
-        spec = speculative_generate(runner, proposer, prompt, 30, SamplingConfig(), DraftingConfig("chain", k), [])
-        assert spec.tokens == plain
-        assert sum(spec.proposed_per_position) > 0
+    check_greedy_is_token_identical_to_target_only(tiny, DFlashProposer(head, tiny.vocab_size, 256), k)
 
 
 def _sampled_pvalue(sampling):
     target = _target(SAMPLING_V, seed=0, scale=60, layers=1)
     runner = TargetRunner(target, 32, [0, 1, 1])
     head = _head(target, [0, 1, 2, 4, 5, 7], seed=3, layers=2, scale=60, aux=[0, 1, 1])
-    proposer = DFlashProposer(head, SAMPLING_V, 32)
-    g = torch.Generator().manual_seed(0)
-    counts = torch.zeros(SAMPLING_V ** 2, dtype=torch.float64)
-    accepted = 0
-    for _ in range(N_RUNS):
-        # 4 tokens, scored on the 2nd and 3rd: the K=2 cycle after the prefill's x1 drafts both x2 and x3
-        res = speculative_generate(runner, proposer, PROMPT, 4, sampling, DraftingConfig("chain", 2), [], generator=g)
-        counts[res.tokens[1] * SAMPLING_V + res.tokens[2]] += 1
-        accepted += sum(res.accepted_per_position)
-    assert 0 < accepted  # drafts were accepted and rejected: the rule ran both ways
-    return _chi2_pvalue(counts, _exact_joint(target, sampling))
+    return speculative_sampling_pvalue(runner, DFlashProposer(head, SAMPLING_V, 32), target, sampling)
 
 
 @pytest.mark.slow  # 2500 seeded generations
-@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_k=5, top_p=0.9)],
-                         ids=["T1", "topk-topp"])
+@pytest.mark.parametrize("sampling", list(SAMPLINGS.values()), ids=list(SAMPLINGS))
 def test_sampling_matches_target_distribution(sampling):
     pval, stat, df = _sampled_pvalue(sampling)
     assert pval > 1e-3, (stat, df)

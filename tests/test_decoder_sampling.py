@@ -1,23 +1,22 @@
 """Sampling is lossless: the analytic identity, and a seeded statistical test with a negative control."""
 
-import itertools
-
 import pytest
 import torch
+from method_checks import N_RUNS, PROMPT, SAMPLING_V, sampled_joint_counts  # noqa: F401  (read by other tests)
+from method_checks import chi2_pvalue as _chi2_pvalue  # the names other tests read here
+from method_checks import exact_joint as _exact_joint
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.eval import decoder
 from draftsmith.eval.decoder import (DraftingConfig, SamplingConfig, accept_probability, process_logits,
-                                     residual_distribution, speculative_generate)
+                                     residual_distribution)
 from draftsmith.eval.proposers.draft import DraftModelProposer
 from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
 from draftsmith.eval.proposers.ngram import NgramProposer
 from draftsmith.eval.target_runner import TargetRunner
 from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
 
-V = 8  # tiny vocabulary: the joint of two generated tokens has 64 cells
-PROMPT = torch.tensor([1, 5, 2, 7, 1, 5, 2])
-N_RUNS = 2500
+V = SAMPLING_V  # tiny vocabulary: the joint of two generated tokens has 64 cells
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -54,43 +53,6 @@ def setup():
     return target, runner
 
 
-def _exact_joint(target, sampling):
-    """P(x2, x3) of the 2nd and 3rd generated tokens, by enumerating every (x1, x2, x3)."""
-    seqs = torch.tensor(list(itertools.product(range(V), repeat=2)))  # (V², 2): x1, x2
-    ids = torch.cat([PROMPT.expand(len(seqs), -1), seqs], dim=1)
-    with torch.no_grad():
-        logits = target(ids).logits  # (V², T, V)
-    n = PROMPT.numel()
-    p1 = process_logits(logits[0, n - 1], sampling)  # (V,)
-    p2 = process_logits(logits[:, n], sampling).view(V, V, V)[:, 0, :]  # x1 -> P(x2 | x1)
-    p3 = process_logits(logits[:, n + 1], sampling).view(V, V, V)  # x1, x2 -> P(x3 | x1, x2)
-    return torch.einsum("a,ab,abc->bc", p1, p2, p3).flatten()
-
-
-def _empirical(runner, proposer, sampling, drafting, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    counts = torch.zeros(V * V, dtype=torch.float64)
-    for _ in range(N_RUNS):
-        # 4 tokens, scored on the 2nd and 3rd: after the prefill's x1 a K=2 cycle drafts x2 and x3 and both
-        # draft positions are verified (with 3 tokens the last cycle's chain would be cut to one draft)
-        toks = speculative_generate(runner, proposer, PROMPT, 4, sampling, drafting, [], generator=g).tokens
-        counts[toks[1] * V + toks[2]] += 1
-    return counts
-
-
-def _chi2_pvalue(counts, probs):
-    """Pearson chi-square, cells with expected count < 5 pooled; p-value from the regularised gamma."""
-    expected = probs * counts.sum()
-    small = expected < 5
-    obs = torch.cat([counts[~small], counts[small].sum()[None]])
-    exp = torch.cat([expected[~small], expected[small].sum()[None]])
-    keep = exp > 0
-    assert counts[probs == 0].sum() == 0, "a token with target probability 0 was emitted"
-    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
-    df = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2.0), stat / 2)), float(stat), df
-
-
 CASES = {
     "draft_model-chain-T1": ("draft_model", SamplingConfig(temperature=1.0), DraftingConfig("chain", 2)),
     "draft_model-chain-topk-topp": ("draft_model", SamplingConfig(temperature=0.8, top_k=5, top_p=0.9),
@@ -115,7 +77,7 @@ def test_sampling_matches_target_distribution(setup, case):
     target, runner = setup
     kind, sampling, drafting = CASES[case]
     exact = _exact_joint(target, sampling)
-    counts = _empirical(runner, _proposer(kind, target), sampling, drafting)
+    counts, _ = sampled_joint_counts(runner, _proposer(kind, target), sampling, drafting)
     pval, stat, df = _chi2_pvalue(counts, exact)
     tv = 0.5 * (counts / counts.sum() - exact).abs().sum()
     print(f"{case}: chi2={stat:.1f} df={df} p={pval:.3g} TV={tv:.3f}")
@@ -130,7 +92,7 @@ def test_negative_control_resampling_from_p_fails(setup, case, monkeypatch):
     kind, sampling, drafting = CASES[case]
     monkeypatch.setattr(decoder, "residual_distribution", lambda p, q: p)
     exact = _exact_joint(target, sampling)
-    counts = _empirical(runner, _proposer(kind, target), sampling, drafting)
+    counts, _ = sampled_joint_counts(runner, _proposer(kind, target), sampling, drafting)
     pval, stat, df = _chi2_pvalue(counts, exact)
     print(f"wrong sampler {case}: chi2={stat:.1f} df={df} p={pval:.3g}")
     assert pval < 1e-4  # the correct sampler passes p > 1e-3 on the same seed
@@ -140,7 +102,7 @@ def test_negative_control_resampling_from_p_fails(setup, case, monkeypatch):
 def test_target_only_sampling_matches(setup):
     target, runner = setup
     sampling = SamplingConfig(temperature=1.0)
-    counts = _empirical(runner, None, sampling, DraftingConfig())
+    counts, _ = sampled_joint_counts(runner, None, sampling, DraftingConfig())
     assert _chi2_pvalue(counts, _exact_joint(target, sampling))[0] > 1e-3
 
 

@@ -9,14 +9,15 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
+from method_checks import (LLAMA_LAYER_WEIGHTS, check_a_folder_without_embeddings_needs_the_targets,
+                           check_cli_export_both_formats, check_speculators_holds_our_head,
+                           init_randomly_from_target, layer_weight_names, load_speculators_model, tensors_of,
+                           verifier_folder)  # noqa: F401  (verifier_folder: a fixture)
 from safetensors.torch import load_file, save_file
 
 from draftsmith.core import DraftsmithError
-from draftsmith.cli import main
 from draftsmith.heads.dflash import DFlashHead, block_mask, dflash_config_from_target
 from draftsmith.heads.dflash_folders import load_dflash, save_dflash, save_speculators_dflash
-from draftsmith.heads.vocab import build_vocab_map
 from draftsmith.core.methods import method_for_folder
 from draftsmith.train.dflash import block_forward
 
@@ -30,17 +31,7 @@ def random_dflash(target, draft_vocab: int = DRAFT_VOCAB, seed: int = 0) -> DFla
     torch.manual_seed(seed)
     head = DFlashHead(dflash_config_from_target(target.model.config, draft_vocab, LAYERS, BLOCK,
                                                 target.vocab_size - 1, target.aux_layer_ids))
-    head.init_from_target(target.model, *build_vocab_map(torch.randint(0, 1000, (target.vocab_size,)), draft_vocab))
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if name.startswith(("fc", "layers", "norm", "hidden_norm")):
-                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
-    return head
-
-
-def tensors_of(folder) -> dict[str, torch.Tensor]:
-    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}
+    return init_randomly_from_target(head, target, draft_vocab, ("fc", "layers", "norm", "hidden_norm"))
 
 
 def blocks(head, T: int = 16, seed: int = 1):
@@ -62,12 +53,7 @@ def block_logits(head, T: int = 16, seed: int = 1) -> torch.Tensor:
 def expected_names(layers: int, d2t: bool = True) -> set[str]:
     names = {"fc.weight", "hidden_norm.weight", "norm.weight", "lm_head.weight", "t2d", "embed_tokens.weight"}
     names |= {"d2t"} if d2t else set()
-    for i in range(layers):
-        names |= {f"layers.{i}.{n}.weight" for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
-                                                      "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                                                      "self_attn.q_norm", "self_attn.k_norm",
-                                                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
-    return names
+    return names | layer_weight_names(layers, LLAMA_LAYER_WEIGHTS + ("self_attn.q_norm", "self_attn.k_norm"))
 
 
 def test_folder_names_shapes_dtypes_and_the_config_vllm_reads(tiny_target, tmp_path):
@@ -157,12 +143,8 @@ def test_round_trip_full_vocab_and_embeddings(tiny_target, tmp_path):
     assert not back.d2t.any()
     torch.testing.assert_close(block_logits(back), block_logits(full), rtol=0, atol=0)
     # without embed_tokens the target's are needed
-    lean = save_dflash(head, tmp_path / "lean", include_embeddings=False)
-    assert "embed_tokens.weight" not in tensors_of(lean)
-    with pytest.raises(DraftsmithError, match="embed_tokens"):
-        load_dflash(lean)
-    back = load_dflash(lean, target_embeddings=tiny_target.model.get_input_embeddings())
-    torch.testing.assert_close(block_logits(back), block_logits(head), rtol=0, atol=0)
+    check_a_folder_without_embeddings_needs_the_targets(save_dflash, load_dflash, head, tmp_path / "lean", tiny_target,
+                                                        block_logits)
 
 
 def test_bad_folders_are_refused_in_one_sentence(tiny_target, tmp_path):
@@ -192,24 +174,14 @@ def test_bad_folders_are_refused_in_one_sentence(tiny_target, tmp_path):
 
 
 def test_cli_export_both_formats(tiny_target, tmp_path, capsys):
-    head_folder = save_dflash(random_dflash(tiny_target), tmp_path / "trained", manifest_target=tiny_target.identity())
-    main(["export", f"head={head_folder}", "format=dflash", f"out={tmp_path / 'v'}"])
-    assert json.loads((tmp_path / "v" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
-    assert tensors_of(tmp_path / "v")["lm_head.weight"].dtype == torch.bfloat16  # export default
-    main(["export", f"head={head_folder}", "format=speculators", f"out={tmp_path / 's'}", "num_speculative_tokens=2"])
-    config = json.loads((tmp_path / "s" / "config.json").read_text())
-    assert config["architectures"] == ["DFlashSpeculator"] and config["speculators_model_type"] == "dflash"
+    own, config = check_cli_export_both_formats(save_dflash, random_dflash(tiny_target), tiny_target, tmp_path, capsys,
+                                                method="dflash", architecture="DFlashSpeculator", layers=LAYERS, k=2)
+    assert own["architectures"] == ["DFlashDraftModel"]
     assert config["mask_token_id"] == tiny_target.vocab_size - 1 and config["block_size"] == BLOCK
     assert config["aux_hidden_state_layer_ids"] == tiny_target.aux_layer_ids
     assert config["sliding_window_non_causal"] is True and config["sample_from_anchor"] is False
-    assert config["transformer_layer_config"]["num_hidden_layers"] == LAYERS
     assert config["transformer_layer_config"]["model_type"] == "qwen3"
-    assert config["speculators_config"]["algorithm"] == "dflash"
-    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
     assert set(tensors_of(tmp_path / "s")) == expected_names(LAYERS)
-    with pytest.raises(SystemExit):  # the speculators folder is not a head folder draftsmith reads
-        main(["export", f"head={tmp_path / 's'}", f"out={tmp_path / 'x'}"])
-    assert "speculators format" in capsys.readouterr().err
 
 
 # ---- the outside check: speculators' DFlashDraftModel ------------------------------------------------------
@@ -217,22 +189,13 @@ def test_cli_export_both_formats(tiny_target, tmp_path, capsys):
 speculators_dflash = pytest.importorskip("speculators.models.dflash")
 
 
-@pytest.fixture
-def verifier_folder(tiny_target, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    folder = tmp_path / "verifier"
-    tiny_target.model.save_pretrained(folder)
-    return folder
-
-
 @torch.no_grad()
 def speculators_block_logits(folder, head, monkeypatch, T: int = 16) -> tuple[torch.Tensor, object]:
     """speculators' own training forward on our four blocks (its anchor sampling replaced by ours)."""
     import speculators.models.dflash.core as core
 
-    config = speculators_dflash.DFlashSpeculatorConfig.from_pretrained(str(folder))
-    config.transformer_layer_config._attn_implementation = "sdpa"  # flex attention has no CPU path here
-    model = speculators_dflash.DFlashDraftModel.from_pretrained(str(folder), config=config).eval()
+    model = load_speculators_model(speculators_dflash.DFlashSpeculatorConfig, speculators_dflash.DFlashDraftModel,
+                                   folder)
     ids, aux, anchor = blocks(head, T)
     model.embed_tokens.weight.copy_(head.embed_tokens.weight)  # speculators never saves them (the verifier's)
     monkeypatch.setattr(core, "select_anchors", lambda loss_mask, n, bs: (anchor[0], torch.ones(n, dtype=torch.bool)))
@@ -247,9 +210,8 @@ def test_speculators_loads_our_export_and_agrees_on_logits(tiny_target, verifier
     folder = save_speculators_dflash(head, tmp_path / "spec", verifier=str(verifier_folder),
                                      manifest_target=tiny_target.identity(), dtype=torch.float32)
     theirs, model = speculators_block_logits(folder, head, monkeypatch)
-    assert model.mask_token_id == head.mask_token_id and len(model.layers) == LAYERS
+    check_speculators_holds_our_head(model, head, LAYERS)
     assert model.block_size == BLOCK and model.target_layer_ids == tiny_target.aux_layer_ids
-    assert torch.equal(model.d2t, head.d2t) and torch.equal(model.t2d, head.t2d)
     ours = block_logits(head)
     assert ours.shape == theirs.shape == (4 * BLOCK, DRAFT_VOCAB)
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
@@ -288,7 +250,7 @@ def test_beside_a_target_the_folder_must_read_the_layers_it_computes(tiny_target
     from draftsmith.core.methods import methods
 
     entry = methods()["dflash"]
-    assert entry.target_layer_ids(tiny_target.num_layers) == tiny_target.aux_layer_ids  # what data-gen captures
+    assert entry.aux_layer_ids(tiny_target.num_layers) == tiny_target.aux_layer_ids  # what data-gen captures
     folder = save_dflash(random_dflash(tiny_target), tmp_path / "d")
     assert entry.load(folder, tiny_target).config.aux_layer_ids == tiny_target.aux_layer_ids
     other = load_target(TargetConfig(name="tiny", aux_layer_ids=[0, 0, 0], dtype="float32"))

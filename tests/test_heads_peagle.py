@@ -8,7 +8,9 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
+from method_checks import (check_a_folder_without_embeddings_needs_the_targets, check_cli_export_both_formats,
+                           check_speculators_holds_our_head, init_randomly_from_target, layer_weight_names,
+                           load_speculators_model, tensors_of, verifier_folder)  # noqa: F401  (a fixture)
 from safetensors.torch import load_file, save_file
 
 from draftsmith.core import DraftsmithError
@@ -16,7 +18,6 @@ from draftsmith.cli import main
 from draftsmith.heads.kit import causal_mask
 from draftsmith.heads.peagle import PEagleHead, peagle_config_from_target
 from draftsmith.heads.peagle_folders import load_peagle, save_peagle, save_speculators_peagle
-from draftsmith.heads.vocab import build_vocab_map
 from draftsmith.core.methods import method_for_folder
 from draftsmith.train.peagle import Slots, parallel_forward, sample_slots
 
@@ -29,17 +30,7 @@ def random_peagle(target, train_embeddings: bool = True, seed: int = 0) -> PEagl
     torch.manual_seed(seed)
     head = PEagleHead(peagle_config_from_target(target.model.config, DRAFT_VOCAB, LAYERS, target.vocab_size - 1,
                                                 train_embeddings))
-    head.init_from_target(target.model, *build_vocab_map(torch.randint(0, 1000, (target.vocab_size,)), DRAFT_VOCAB))
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if name.startswith(("fc", "layers", "norm", "mask_hidden")):
-                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
-    return head
-
-
-def tensors_of(folder) -> dict[str, torch.Tensor]:
-    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}
+    return init_randomly_from_target(head, target, DRAFT_VOCAB, ("fc", "layers", "norm", "mask_hidden"))
 
 
 @torch.no_grad()
@@ -55,11 +46,7 @@ def inference_logits(head, T: int = 9, K: int = 4, seed: int = 1) -> torch.Tenso
 def expected_names(layers: int) -> set[str]:
     names = {"fc.weight", "mask_hidden", "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight",
              "layers.0.hidden_norm.weight"}
-    for i in range(layers):
-        names |= {f"layers.{i}.{n}.weight" for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
-                                                      "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                                                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
-    return names
+    return names | layer_weight_names(layers)
 
 
 def test_parallel_drafting_folder_names_shapes_dtypes_config(tiny_target, tmp_path):
@@ -91,12 +78,8 @@ def test_round_trip_and_embeddings(tiny_target, tmp_path):
     # trained embeddings are always written; frozen ones may be left to the target's
     assert "embed_tokens.weight" in tensors_of(save_peagle(head, tmp_path / "a", include_embeddings=False))
     frozen = random_peagle(tiny_target, train_embeddings=False)
-    lean = save_peagle(frozen, tmp_path / "b", include_embeddings=False)
-    assert "embed_tokens.weight" not in tensors_of(lean)
-    with pytest.raises(DraftsmithError, match="embed_tokens"):
-        load_peagle(lean)
-    back = load_peagle(lean, target_embeddings=tiny_target.model.get_input_embeddings())
-    torch.testing.assert_close(inference_logits(back), inference_logits(frozen), rtol=0, atol=0)
+    check_a_folder_without_embeddings_needs_the_targets(save_peagle, load_peagle, frozen, tmp_path / "b", tiny_target,
+                                                        inference_logits)
 
 
 def test_a_wrong_shape_or_missing_mask_hidden_is_refused(tiny_target, tmp_path):
@@ -111,42 +94,18 @@ def test_a_wrong_shape_or_missing_mask_hidden_is_refused(tiny_target, tmp_path):
 
 
 def test_cli_export_both_formats(tiny_target, tmp_path, capsys):
-    head_folder = save_peagle(random_peagle(tiny_target), tmp_path / "trained", manifest_target=tiny_target.identity())
-    main(["export", f"head={head_folder}", "format=peagle", f"out={tmp_path / 'v'}"])
-    assert json.loads((tmp_path / "v" / "config.json").read_text())["parallel_drafting"] is True
-    assert tensors_of(tmp_path / "v")["lm_head.weight"].dtype == torch.bfloat16  # export default
-    main(["export", f"head={head_folder}", "format=speculators", f"out={tmp_path / 's'}", "num_speculative_tokens=5"])
-    config = json.loads((tmp_path / "s" / "config.json").read_text())
-    assert config["architectures"] == ["PEagleDraftModel"] and config["speculators_model_type"] == "peagle"
+    own, config = check_cli_export_both_formats(save_peagle, random_peagle(tiny_target), tiny_target, tmp_path, capsys,
+                                                method="peagle", architecture="PEagleDraftModel", layers=LAYERS, k=5)
+    assert own["parallel_drafting"] is True
     assert config["mask_token_id"] == tiny_target.vocab_size - 1 and config["embed_requires_grad"] is True
-    assert config["transformer_layer_config"]["num_hidden_layers"] == LAYERS
-    assert config["speculators_config"]["algorithm"] == "peagle"
-    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
     assert config["eagle_aux_hidden_state_layer_ids"] == tiny_target.aux_layer_ids
     tensors = tensors_of(tmp_path / "s")
     assert set(tensors) == expected_names(LAYERS) and tensors["mask_hidden"].shape == (1, 1, 3 * tiny_target.hidden_size)
-    with pytest.raises(SystemExit):  # the speculators folder is not a head folder draftsmith reads
-        main(["export", f"head={tmp_path / 's'}", f"out={tmp_path / 'x'}"])
-    assert "speculators format" in capsys.readouterr().err
 
 
 # ---- the outside check: speculators' PEagleDraftModel ------------------------------------------------------
 
 speculators_peagle = pytest.importorskip("speculators.models.peagle")
-
-
-@pytest.fixture
-def verifier_folder(tiny_target, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    folder = tmp_path / "verifier"
-    tiny_target.model.save_pretrained(folder)
-    return folder
-
-
-def load_with_speculators(folder):
-    config = speculators_peagle.PEagleSpeculatorConfig.from_pretrained(str(folder))
-    config.transformer_layer_config._attn_implementation = "sdpa"  # flex attention has no CPU path here
-    return speculators_peagle.PEagleDraftModel.from_pretrained(str(folder), config=config).eval()
 
 
 @torch.no_grad()
@@ -171,7 +130,8 @@ def speculators_logits(model, next_ids, aux, slots: Slots, monkeypatch) -> torch
 
 def compare_with_speculators(head, folder, monkeypatch, T: int = 16):
     """(our logits, speculators' logits) on one sequence's sampled slots, all depths."""
-    model = load_with_speculators(folder)
+    model = load_speculators_model(speculators_peagle.PEagleSpeculatorConfig, speculators_peagle.PEagleDraftModel,
+                                   folder)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, head.config.vocab_size, (1, T), generator=g)
     aux = torch.randn(1, T, head.fc.in_features, generator=g)
@@ -187,9 +147,8 @@ def test_speculators_loads_our_export_and_agrees_on_logits(tiny_target, verifier
     folder = save_speculators_peagle(head, tmp_path / "spec", verifier=str(verifier_folder),
                                      manifest_target=tiny_target.identity(), dtype=torch.float32)
     ours, theirs, model = compare_with_speculators(head, folder, monkeypatch)
-    assert model.mask_token_id == head.mask_token_id and len(model.layers) == LAYERS
+    check_speculators_holds_our_head(model, head, LAYERS)
     assert torch.equal(model.mask_hidden.flatten(), head.mask_hidden.flatten())
-    assert torch.equal(model.d2t, head.d2t) and torch.equal(model.t2d, head.t2d)
     assert torch.equal(model.embed_tokens.weight, head.embed_tokens.weight)
     assert ours.shape == theirs.shape and ours.shape[0] > 16  # deeper slots were compared too
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)

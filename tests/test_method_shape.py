@@ -110,7 +110,7 @@ def layer_probe_method():
     """A row whose folders module asks for target layers [0, N] (registered from outside the package)."""
     mod = types.ModuleType("layer_probe_folders")
     mod.ARCHITECTURES, mod.FORMATS = ("LayerProbe",), {}
-    mod.target_layer_ids = lambda num_layers: [0, num_layers]
+    mod.aux_layer_ids = lambda num_layers: [0, num_layers]
     sys.modules[mod.__name__] = mod
     methods.register(methods.Method("layerprobe", folders=mod.__name__, proposers=mod.__name__))
     yield mod
@@ -120,10 +120,10 @@ def layer_probe_method():
 
 def test_load_target_takes_the_methods_request_unless_the_user_set_layers(layer_probe_method):
     n = load_target(TargetConfig(name="tiny", dtype="float32")).num_layers
-    assert load_target(TargetConfig(name="tiny", dtype="float32"), layers=layer_probe_method.target_layer_ids).aux_layer_ids == [0, n]
+    assert load_target(TargetConfig(name="tiny", dtype="float32"), layers=layer_probe_method.aux_layer_ids).aux_layer_ids == [0, n]
     assert load_target(TargetConfig(name="tiny", dtype="float32")).aux_layer_ids == default_aux_layer_ids(n)
     assert load_target(TargetConfig(name="tiny", aux_layer_ids=[1], dtype="float32"),
-                       layers=layer_probe_method.target_layer_ids).aux_layer_ids == [1]
+                       layers=layer_probe_method.aux_layer_ids).aux_layer_ids == [1]
 
 
 def test_data_gen_captures_the_layers_hidden_states_for_asks_for(layer_probe_method, tmp_path):
@@ -134,7 +134,7 @@ def test_data_gen_captures_the_layers_hidden_states_for_asks_for(layer_probe_met
     main(["data-gen", "target=tiny", "target.dtype=float32", "prompts=question", f"prompts.path={q}",
           "max_new_tokens=4", "hidden_states=true", "hidden_states_dtype=float32", "hidden_states_for=layerprobe",
           f"out={out}"])
-    target = load_target(TargetConfig(name="tiny", dtype="float32"), layers=layer_probe_method.target_layer_ids)
+    target = load_target(TargetConfig(name="tiny", dtype="float32"), layers=layer_probe_method.aux_layer_ids)
     index = json.loads((out / "hidden_states" / "index.json").read_text())
     assert index["aux_layer_ids"] == [0, target.num_layers]
     with safe_open(str(out / "hidden_states" / index["shards"][0]["file"]), "pt") as f:

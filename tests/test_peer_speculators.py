@@ -19,6 +19,9 @@ pytest.importorskip("speculators.train.data", reason="speculators 0.9 is not imp
                                                     "(scripts/setup.sh installs it with --no-deps)")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
+from method_checks import (assert_ttt_steps_close, eagle3_ttt_logits, load_speculators_model,  # noqa: E402
+                           random_ttt_inputs, speculators_eagle3_ttt_logits)
+from method_checks import verifier_folder  # noqa: E402, F401  (a fixture)
 from test_train_data import make_tiny_data  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "peers" / "speculators_eagle3.py"
@@ -164,41 +167,15 @@ def speculators_folder_with_norms(tiny_target, verifier, tmp_path, flags: dict):
     return folder
 
 
-@pytest.fixture
-def verifier_folder(tiny_target, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    folder = tmp_path / "verifier"
-    tiny_target.model.save_pretrained(folder)
-    return folder
-
-
-@torch.no_grad()
 def speculators_logits(folder, ids, aux, pos) -> list[torch.Tensor]:
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-    config = Eagle3SpeculatorConfig.from_pretrained(str(folder))
-    config.transformer_layer_config._attn_implementation = "sdpa"
-    model = Eagle3DraftModel.from_pretrained(str(folder), config=config).eval()
-    steps = []
-    hook = model.lm_head.register_forward_hook(lambda mod, args, out: steps.append(out.detach()))
-    model(hidden_states=aux, input_ids=ids, document_ids=torch.zeros_like(ids), position_ids=pos,
-          ttt_steps=TTT_STEPS)
-    hook.remove()
-    return steps
+    model = load_speculators_model(Eagle3SpeculatorConfig, Eagle3DraftModel, folder)
+    return speculators_eagle3_ttt_logits(model, ids, aux, pos, TTT_STEPS)
 
 
-@torch.no_grad()
 def adapter_logits(head, ids, aux, pos) -> list[torch.Tensor]:
-    from draftsmith.heads.eagle3 import ttt_mask
-    from draftsmith.heads.kit import ConcatKVCache
-
-    T = ids.shape[1]
-    cache, hidden, step_ids, steps = ConcatKVCache(), head.fuse(aux), ids, []
-    for k in range(TTT_STEPS):
-        hidden, logits = head(step_ids, hidden, pos + k, ttt_mask(T, k), kv_cache=cache)
-        steps.append(logits)
-        step_ids = torch.cat([ids[:, 1 + k:], ids.new_zeros(1, 1 + k)], dim=1)
-    return steps
+    return eagle3_ttt_logits(head, ids, aux, pos, TTT_STEPS)
 
 
 RECIPE = {"norm_before_fc": True, "fc_norm": False, "norm_before_residual": True, "norm_output": True}
@@ -209,21 +186,15 @@ RECIPE = {"norm_before_fc": True, "fc_norm": False, "norm_before_residual": True
 def test_adapter_computes_speculators_logits(peer, tiny_target, verifier_folder, tmp_path, flags):
     folder = speculators_folder_with_norms(tiny_target, verifier_folder, tmp_path, flags)
     head = peer.load_speculators_folder(folder)
-    g = torch.Generator().manual_seed(3)
-    T = 11
-    ids = torch.randint(0, tiny_target.vocab_size, (1, T), generator=g)
-    aux = 3 * torch.randn(1, T, 3 * tiny_target.hidden_size, generator=g)
-    pos = torch.arange(1, T + 1)[None]
-    theirs, ours = speculators_logits(folder, ids, aux, pos), adapter_logits(head, ids, aux, pos)
-    assert len(theirs) == len(ours) == TTT_STEPS
-    for k, (a, b) in enumerate(zip(ours, theirs)):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"TTT step {k}: {m}")
+    ids, aux, pos = random_ttt_inputs(tiny_target.vocab_size, 3 * tiny_target.hidden_size, T=11, seed=3, aux_scale=3,
+                                      first_position=1)
+    theirs = speculators_logits(folder, ids, aux, pos)
+    assert_ttt_steps_close(adapter_logits(head, ids, aux, pos), theirs, TTT_STEPS, atol=1e-5, rtol=1e-5)
     if not any(flags.values()):  # draftsmith's own EAGLE-3 folder, converted exactly
         from draftsmith.heads.eagle3_folders import load_eagle3
 
         plain = load_eagle3(peer.to_eagle3(folder, tmp_path / "eagle3"))
-        for k, (a, b) in enumerate(zip(adapter_logits(plain, ids, aux, pos), theirs)):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"TTT step {k}: {m}")
+        assert_ttt_steps_close(adapter_logits(plain, ids, aux, pos), theirs, TTT_STEPS, atol=1e-5, rtol=1e-5)
     else:
         with pytest.raises(peer.PeerError, match="norm"):
             peer.to_eagle3(folder, tmp_path / "eagle3")
@@ -256,11 +227,7 @@ def test_adapter_sliding_window_matches_speculators(peer, tiny_target, verifier_
     (folder / "config.json").write_text(json.dumps(config))
     head = peer.load_speculators_folder(folder)
     assert head.sliding_window == 4
-    g = torch.Generator().manual_seed(5)
-    T = 11
-    ids = torch.randint(0, tiny_target.vocab_size, (1, T), generator=g)
-    aux = 3 * torch.randn(1, T, 3 * tiny_target.hidden_size, generator=g)
-    pos = torch.arange(T)[None]
+    ids, aux, pos = random_ttt_inputs(tiny_target.vocab_size, 3 * tiny_target.hidden_size, T=11, seed=5, aux_scale=3)
     theirs = speculators_logits(folder, ids, aux, pos)[0]
     ours = adapter_logits(head, ids, aux, pos)[0]
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)

@@ -8,13 +8,14 @@ import math
 
 import pytest
 import torch
+from method_checks import check_resume_is_exact, randomize_weights, tiny_train_cfg, tiny_training_rows
+from method_checks import tiny_data  # noqa: F401  (a fixture)
 
 from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.heads.dflash import DFlashHead, block_mask, dflash_config_from_target
 from draftsmith.heads.vocab import build_vocab_map
 from draftsmith.train.dflash import DFlashConfig, block_forward, dflash_loss, sample_anchors, summarize
-from draftsmith.train.features import TargetHead
 
 BLOCK = 4
 
@@ -29,20 +30,8 @@ def setup():
                                                 target.aux_layer_ids)).double()
     d2t, t2d = build_vocab_map(torch.randint(0, 100, (target.vocab_size,)), 200)
     head.init_from_target(target.model, d2t, t2d)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if name.startswith(("fc", "layers", "hidden_norm")):
-                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
-    B, T = 2, 14
-    input_ids = torch.randint(0, target.vocab_size - 1, (B, T))
-    attention_mask = torch.ones(B, T, dtype=torch.long)
-    attention_mask[1, T - 4:] = 0
-    loss_mask = torch.ones(B, T, dtype=torch.long)
-    loss_mask[:, :3] = 0  # the "prompt"
-    loss_mask[0, 8] = 0  # a hole
-    aux, last = target.features(input_ids, attention_mask)
-    tgt = TargetHead(target.model.lm_head.weight, head.t2d)(last)
-    return target, head, input_ids, attention_mask, loss_mask, aux, tgt
+    randomize_weights(head, ("fc", "layers", "hidden_norm"))
+    return (target, head, *tiny_training_rows(target, head))
 
 
 def block_reference(head, input_ids, aux, b, a):
@@ -181,50 +170,16 @@ def test_config_refusals():
 
 # ---- `draftsmith train method=dflash`: the same trainer, online and offline, exact resume ----------------
 
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    from test_train_data import make_tiny_data
-
-    return make_tiny_data(tmp_path_factory.mktemp("data"), load_target(TargetConfig(name="tiny", dtype="float32")),
-                          n=12, hidden_states=True)
-
-
 def _train_cfg(data, out, deepspeed="none", mode="auto", **kw):
-    from omegaconf import OmegaConf
-
-    from draftsmith.train.config import DeepSpeedConfig, TrainConfig
-
-    cfg = OmegaConf.structured(TrainConfig(
-        data=str(data), out=str(out), target=TargetConfig(name="tiny", dtype="float32"), mode=mode,
-        method=DFlashConfig(draft_vocab_size=128, num_layers=2, block_size=BLOCK, max_anchors=8), micro_batch_size=2,
-        grad_accum=2, epochs=2, save_every=2, keep_last=5, lr=3e-3, warmup_ratio=0.2, progress=False,
-        deepspeed=DeepSpeedConfig(deepspeed), **kw))
-    cfg.wandb.mode = "disabled"
-    return cfg
+    method = DFlashConfig(draft_vocab_size=128, num_layers=2, block_size=BLOCK, max_anchors=8)
+    return tiny_train_cfg(data, out, method, deepspeed, mode, **kw)
 
 
 def _resume_is_exact(tiny_data, tmp_path, deepspeed):
-    from safetensors.torch import load_file
-
-    from draftsmith.core.methods import method_for_folder
-    from draftsmith.train.run import run
-
-    full = run(_train_cfg(tiny_data, tmp_path / "full", deepspeed))
-    assert full["steps"] == 6 and full["method"] == "dflash" and full["mode"] == "offline"
-    assert {f"{k}_{d}" for k in ("loss", "acc", "alpha") for d in range(BLOCK - 1)} <= set(full["metrics"])
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run(_train_cfg(tiny_data, tmp_path / "cut", deepspeed, fail_at_step=3))
-    run(_train_cfg(tiny_data, tmp_path / "cut", deepspeed, resume="true"))
-    a = load_file(str(tmp_path / "full/checkpoints/step_00000006/head.safetensors"))
-    b = load_file(str(tmp_path / "cut/checkpoints/step_00000006/head.safetensors"))
-    assert a.keys() == b.keys() and "hidden_norm.weight" in a
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
-    final = tmp_path / "full" / "final"
-    method = method_for_folder(final)
-    assert method.name == "dflash" and len(method.load(final).layers) == 2
+    _, _, head = check_resume_is_exact(_train_cfg, tiny_data, tmp_path, deepspeed, method="dflash", depths=BLOCK - 1,
+                                       own_tensor="hidden_norm.weight", layers=2)
     tiny = load_target(TargetConfig(name="tiny", dtype="float32"))
-    assert torch.equal(method.load(final).embed_tokens.weight, tiny.model.get_input_embeddings().weight)  # frozen
+    assert torch.equal(head.embed_tokens.weight, tiny.model.get_input_embeddings().weight)  # frozen
 
 
 def test_train_offline_resume_is_exact(tiny_data, tmp_path, one_thread):

@@ -8,12 +8,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from method_checks import check_resume_is_exact, tiny_train_cfg, tiny_training_rows
+from method_checks import tiny_data  # noqa: F401  (a fixture)
 
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.heads.kit import causal_mask
 from draftsmith.heads.peagle import PEagleHead, peagle_config_from_target
 from draftsmith.heads.vocab import build_vocab_map
-from draftsmith.train.features import TargetHead
 from draftsmith.train.peagle import PEagleConfig, Slots, peagle_loss, parallel_forward, sample_slots
 
 DEPTHS = 5
@@ -28,16 +29,7 @@ def setup():
                                                 mask_token_id=target.vocab_size - 1)).double()
     d2t, t2d = build_vocab_map(torch.randint(0, 100, (target.vocab_size,)), 200)
     head.init_from_target(target.model, d2t, t2d)
-    B, T = 2, 14
-    input_ids = torch.randint(0, target.vocab_size - 1, (B, T))
-    attention_mask = torch.ones(B, T, dtype=torch.long)
-    attention_mask[1, T - 4:] = 0
-    loss_mask = torch.ones(B, T, dtype=torch.long)
-    loss_mask[:, :3] = 0  # the "prompt"
-    loss_mask[0, 8] = 0  # a hole: groups crossing it stop
-    aux, last = target.features(input_ids, attention_mask)
-    tgt = TargetHead(target.model.lm_head.weight, head.t2d)(last)
-    return target, head, input_ids, attention_mask, loss_mask, aux, tgt
+    return (target, head, *tiny_training_rows(target, head))
 
 
 def group_logits(head, input_ids, aux, b, t, n):
@@ -173,52 +165,18 @@ def test_config_defaults_are_speculators_and_refusals():
 
 # ---- `draftsmith train method=peagle`: the same trainer, online and offline, exact resume ----------------
 
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    from test_train_data import make_tiny_data
-
-    return make_tiny_data(tmp_path_factory.mktemp("data"), load_target(TargetConfig(name="tiny", dtype="float32")),
-                          n=12, hidden_states=True)
-
-
 def _train_cfg(data, out, deepspeed="none", mode="auto", **kw):
-    from omegaconf import OmegaConf
-
-    from draftsmith.train.config import DeepSpeedConfig, TrainConfig
-
-    cfg = OmegaConf.structured(TrainConfig(
-        data=str(data), out=str(out), target=TargetConfig(name="tiny", dtype="float32"), mode=mode,
-        method=PEagleConfig(draft_vocab_size=128, num_layers=2, depths=4), micro_batch_size=2, grad_accum=2, epochs=2,
-        save_every=2, keep_last=5, lr=3e-3, warmup_ratio=0.2, progress=False, deepspeed=DeepSpeedConfig(deepspeed),
-        **kw))
-    cfg.wandb.mode = "disabled"
-    return cfg
+    method = PEagleConfig(draft_vocab_size=128, num_layers=2, depths=4)
+    return tiny_train_cfg(data, out, method, deepspeed, mode, **kw)
 
 
 def _resume_is_exact(tiny_data, tmp_path, deepspeed):
-    from safetensors.torch import load_file
-
-    from draftsmith.core.methods import method_for_folder
-    from draftsmith.train.run import run
-
-    full = run(_train_cfg(tiny_data, tmp_path / "full", deepspeed))
-    assert full["steps"] == 6 and full["method"] == "peagle" and full["mode"] == "offline"
-    assert {f"{k}_{d}" for k in ("loss", "acc", "alpha") for d in range(4)} <= set(full["metrics"])
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run(_train_cfg(tiny_data, tmp_path / "cut", deepspeed, fail_at_step=3))
-    resumed = run(_train_cfg(tiny_data, tmp_path / "cut", deepspeed, resume="true"))
-    a = load_file(str(tmp_path / "full/checkpoints/step_00000006/head.safetensors"))
-    b = load_file(str(tmp_path / "cut/checkpoints/step_00000006/head.safetensors"))
-    assert a.keys() == b.keys() and "mask_hidden" in a
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+    full, resumed, head = check_resume_is_exact(_train_cfg, tiny_data, tmp_path, deepspeed, method="peagle",
+                                                depths=4, own_tensor="mask_hidden", layers=2)
     assert resumed["metrics"]["loss"] == pytest.approx(full["metrics"]["loss"], abs=1e-6)
-    final = tmp_path / "full" / "final"
-    method = method_for_folder(final)
-    assert method.name == "peagle" and len(method.load(final).layers) == 2
     # embeddings were trained (the default): they moved away from the target's
     tiny = load_target(TargetConfig(name="tiny", dtype="float32"))
-    assert not torch.equal(method.load(final).embed_tokens.weight, tiny.model.get_input_embeddings().weight)
+    assert not torch.equal(head.embed_tokens.weight, tiny.model.get_input_embeddings().weight)
 
 
 def test_train_offline_resume_is_exact(tiny_data, tmp_path, one_thread):

@@ -187,7 +187,7 @@ def run(cfg: TrainConfig) -> dict:
     rank, world = init_distributed(trainer)
 
     # prepare: the target, the data, the plan
-    target = load_target(cfg.target, layers=method.target_layer_ids)  # the features the drafter reads
+    target = load_target(cfg.target, layers=method.aux_layer_ids)  # the features the drafter reads
     identity = target.identity()
     train, val, mode = load_data(cfg.data, identity, cfg.mode, cfg.max_length, cfg.val_samples, method.offline_data)
     if cfg.train_samples is not None:  # a prefix of the training rows (learning curves; the held-out rows stay)
