@@ -183,8 +183,9 @@ class DataGenConfig:
     # Offline mode: capture the target's hidden states beside the tokenized set.
     hidden_states: bool = False  # true: also capture the target's hidden states (offline training)
     hidden_states_dtype: str = "bfloat16"  # storage dtype of the captured hidden states
-    # the method that trains on them: the target layers it asks for are captured (target.aux_layer_ids overrides)
-    hidden_states_for: str = "eagle3"
+    # the method that trains on them: the target layers it asks for are captured (target.aux_layer_ids overrides);
+    # null: the default layers (draftsmith.core.layers: 2, N//2, N-3, what EAGLE-3, P-EAGLE and DFlash read)
+    hidden_states_for: Optional[str] = None
     hidden_states_source: str = "hf"  # where they come from (data_gen/capture.py FEATURE_SOURCES): the target here
     samples_per_shard: int = 256  # hidden states: samples per shard file
     capture_batch_size: int = 8  # hidden states: samples per target forward

@@ -135,7 +135,10 @@ def check_settings(cfg) -> None:
 
 
 def feature_layers(cfg):
-    """The layer request of `hidden_states_for` (a method whose drafter reads target features)."""
+    """The layer request of `hidden_states_for` (a method whose drafter reads target features); None (the target's
+    default layers) when it names none."""
+    if cfg.hidden_states_for is None:
+        return None
     fed = [name for name, m in methods().items() if m.aux_layer_ids is not None]
     if cfg.hidden_states_for not in fed:
         raise DraftsmithError(f"hidden_states_for={cfg.hidden_states_for!r}: hidden states are captured for a method "

@@ -68,7 +68,7 @@ class TargetConfig:
     chat_template: Optional[str] = None
     trust_remote_code: bool = False  # run the model repo's own modeling code (HF targets)
     # the layers whose hidden states feed the drafter; None: the ones its method asks for (EAGLE-3 and P-EAGLE:
-    # 2, N//2, N-3; data-gen: those of hidden_states_for)
+    # 2, N//2, N-3; data-gen: those of hidden_states_for, if set)
     aux_layer_ids: Optional[list[int]] = None
 
     def __post_init__(self):
