@@ -21,12 +21,11 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
-from draftsmith.heads.kit import DraftVocabHead, draft_config_from_target
+from draftsmith.heads.kit import DraftVocabHead, cached_attention, draft_config_from_target
 
 
 def dflash_config_from_target(target_config, draft_vocab_size: int, num_layers: int, block_size: int,
@@ -78,14 +77,7 @@ class DFlashAttention(nn.Module):
         k, v = self.keys_values(x, cos, sin)  # (B, nkv, N, d)
         if context is not None:
             k, v = torch.cat([context[0], k], dim=2), torch.cat([context[1], v], dim=2)  # (B, nkv, C+N, d)
-        if kv_cache is not None:
-            k, v = kv_cache.update(cache_positions, k, v)  # (B, nkv, S_cache, d)
-            S = attn_mask.shape[-1]  # the mask covers the slots in use
-            k, v = k[:, :, :S], v[:, :, :S]
-        rep = self.n_heads // self.n_kv_heads
-        k = k.repeat_interleave(rep, dim=1).to(q.dtype)  # (B, nh, S, d)
-        v = v.repeat_interleave(rep, dim=1).to(q.dtype)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, nh, N, d)
+        y = cached_attention(q, k, v, kv_cache, cache_positions, attn_mask, self.n_heads // self.n_kv_heads)
         return self.o_proj(y.transpose(1, 2).reshape(B, N, self.n_heads * self.head_dim))
 
 

@@ -86,6 +86,20 @@ class ConcatKVCache:
         return self.k, self.v
 
 
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, cache_positions,
+                     attn_mask: Optional[torch.Tensor], rep: int) -> torch.Tensor:
+    """Attention of q (B, nh, T, d) over k / v (B, nkv, T', d), written into `kv_cache` first when there is one (then
+    the mask covers the first S slots: the rest are never read), each KV head repeated `rep` times for its query
+    heads; (B, nh, T, d). The drafters' attentions share it (EAGLE-3's and P-EAGLE's layer, DFlash's)."""
+    if kv_cache is not None:
+        k, v = kv_cache.update(cache_positions, k, v)  # (B, nkv, S_cache, d)
+        S = attn_mask.shape[-1]
+        k, v = k[:, :, :S], v[:, :, :S]  # (B, nkv, S, d)
+    k = k.repeat_interleave(rep, dim=1).to(q.dtype)  # (B, nh, S, d)
+    v = v.repeat_interleave(rep, dim=1).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+
+
 class Attention(nn.Module):
     """Attention whose q/k/v project from `in_dim` features: the 2H-wide [embedding; hidden] input of the fused
     layer by default, H for the plain layers stacked after it."""
@@ -108,14 +122,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, d)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if kv_cache is not None:
-            k, v = kv_cache.update(cache_positions, k, v)  # (B, nkv, S_cache, d)
-            S = attn_mask.shape[-1]  # the mask covers the first S slots: the rest are never read
-            k, v = k[:, :, :S], v[:, :, :S]  # (B, nkv, S, d)
-        rep = self.n_heads // self.n_kv_heads
-        k = k.repeat_interleave(rep, dim=1).to(q.dtype)  # (B, nh, S, d)
-        v = v.repeat_interleave(rep, dim=1).to(q.dtype)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, nh, T, d)
+        y = cached_attention(q, k, v, kv_cache, cache_positions, attn_mask, self.n_heads // self.n_kv_heads)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
