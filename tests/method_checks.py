@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.core.sampling import process_logits
+from draftsmith.eval import decoder
 from draftsmith.eval.decoder import DraftingConfig, SamplingConfig, speculative_generate
 from draftsmith.eval.target_runner import TargetRunner
 
@@ -369,3 +370,25 @@ def tiny_training_rows(target, head):
     aux, last = target.features(input_ids, attention_mask)
     tgt = TargetHead(target.model.lm_head.weight, head.t2d)(last)
     return input_ids, attention_mask, loss_mask, aux, tgt
+
+
+def statistical_sampling_tests(sampled_pvalue):
+    """The two seeded statistical tests of a proposer's sampling, for a test module to bind under their names:
+    `sampled_pvalue(sampling) -> (p-value, statistic, degrees of freedom)` of the decoder's emitted tokens against
+    the target's exact distribution (speculative_sampling_pvalue). The decoder passes; a wrong sampler (on
+    rejection, resample from p instead of the residual) fails the same test."""
+
+    @pytest.mark.slow  # 2500 seeded generations
+    @pytest.mark.parametrize("sampling", list(SAMPLINGS.values()), ids=list(SAMPLINGS))
+    def test_sampling_matches_target_distribution(sampling):
+        pval, stat, df = sampled_pvalue(sampling)
+        assert pval > 1e-3, (stat, df)
+
+    @pytest.mark.slow
+    def test_negative_control_resampling_from_p_fails(monkeypatch):
+        """A wrong sampler (on rejection, resample from p instead of the residual) must fail the same test."""
+        monkeypatch.setattr(decoder, "residual_distribution", lambda p, q: p)
+        pval, stat, df = sampled_pvalue(SamplingConfig(temperature=1.0))
+        assert pval < 1e-4, (stat, df)
+
+    return test_sampling_matches_target_distribution, test_negative_control_resampling_from_p_fails

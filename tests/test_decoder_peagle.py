@@ -4,13 +4,12 @@ and sampled decoding has the target's distribution (with the negative control fa
 
 import pytest
 import torch
-from method_checks import (SAMPLING_V, SAMPLINGS, RecordsForwards, check_drafts_match_from_scratch,
-                           check_draft_forwards_attend_only_to_the_slots_in_use,
-                           check_greedy_is_token_identical_to_target_only, init_from_used_tokens,
-                           speculative_sampling_pvalue)
+from method_checks import (SAMPLING_V, check_draft_forwards_attend_only_to_the_slots_in_use,
+                           check_drafts_match_from_scratch, check_greedy_is_token_identical_to_target_only,
+                           init_from_used_tokens, RecordsForwards, speculative_sampling_pvalue,
+                           statistical_sampling_tests)
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftsmith.eval import decoder
 from draftsmith.eval.decoder import SamplingConfig
 from draftsmith.eval.proposers.peagle import PEagleProposer
 from draftsmith.eval.target_runner import TargetRunner
@@ -95,16 +94,6 @@ def _sampled_pvalue(sampling):
     return speculative_sampling_pvalue(runner, PEagleProposer(head, SAMPLING_V, 32), target, sampling)
 
 
-@pytest.mark.slow  # 2500 seeded generations: ~10 s of CPU each
-@pytest.mark.parametrize("sampling", list(SAMPLINGS.values()), ids=list(SAMPLINGS))
-def test_sampling_matches_target_distribution(sampling):
-    pval, stat, df = _sampled_pvalue(sampling)
-    assert pval > 1e-3, (stat, df)
-
-
-@pytest.mark.slow
-def test_negative_control_resampling_from_p_fails(monkeypatch):
-    """A wrong sampler (on rejection, resample from p instead of the residual) must fail the same test."""
-    monkeypatch.setattr(decoder, "residual_distribution", lambda p, q: p)
-    pval, stat, df = _sampled_pvalue(SamplingConfig(temperature=1.0))
-    assert pval < 1e-4, (stat, df)
+# the two seeded statistical tests (2500 generations each), shared with every one-forward proposer
+test_sampling_matches_target_distribution, test_negative_control_resampling_from_p_fails = \
+    statistical_sampling_tests(_sampled_pvalue)
