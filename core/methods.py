@@ -56,6 +56,7 @@ class Folders(Protocol):
     def save(self, drafter: Any, folder: Path, identity: dict) -> Path: ...
     def card(self, options: dict, formats: list[str], commands: dict) -> dict: ...
     # optional: def aux_layer_ids(self, num_layers: int) -> list[int]: ...  (a drafter fed by target features)
+    # optional: def engine_warning(self, drafter: Any, result: dict) -> Optional[str]: ...  (vLLM's defects for it)
 
 
 class Training(Protocol):

@@ -82,8 +82,6 @@ def test_torchrun_two_ranks_capture_their_shards_and_equal_one_process(compose_c
     ("3", 0, "cpu", "cpu"),
 ])
 def test_rank_device(monkeypatch, local_rank, count, device, expected):
-    from types import SimpleNamespace
-
     import torch
 
     from draftsmith.data_gen.ranks import rank_device
