@@ -21,6 +21,8 @@ CPU (`static=True`) so tests can check it there.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from functools import partial
 from typing import Optional
 
 import torch
@@ -28,6 +30,20 @@ from torch import nn
 
 
 GRAPH_MAX_TOKENS = 65  # static mode: passes up to this many tokens (a draft of 64 and its root) use graphs
+WEIGHT_FIRST_TOKENS = range(2, 9)  # fp32 on a CPU: passes of these many tokens take weight_first_linear
+
+
+def weight_first_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`nn.Linear`'s product for a few rows, written `(W @ x.T).T`: the same sums, the weight as the left operand.
+
+    Why: torch's fp32 `linear` on a CPU leaves its one-row path at 2 rows, and a pass of the few tokens a
+    verification holds then costs far more than reading the weights. SmolLM2-135M on a 2-core AMD EPYC Zen 3
+    (AVX2): a pass of 2 / 3 / 4 tokens cost 1.7 / 2.1 / 1.8 one-token steps with `linear` and about 1.3 / 1.5 / 1.3
+    with the weight first (docs/benchmarks.md, 2026-12-05). Every speculative cycle pays one such pass."""
+    y = (weight @ x.reshape(-1, x.shape[-1]).T).T
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class _LayerKV:
@@ -76,6 +92,11 @@ class TargetRunner:
         self.cuda_graph = bool(cuda_graph) and self.device.type == "cuda"
         self.static = self.cuda_graph if static is None else bool(static)
         self._graphs: dict = {}  # (T, want_aux) -> (graph, static inputs, static outputs)
+        # fp32 on a CPU: a pass of WEIGHT_FIRST_TOKENS tokens (a verification) runs every plain nn.Linear of the
+        # model as weight_first_linear; one-token steps (target-only decoding) and prefill keep torch's linear
+        self.weight_first = self.device.type == "cpu" and self.dtype == torch.float32
+        self._linears = [(m, partial(weight_first_linear, m.weight, m.bias))
+                         for m in model.modules() if type(m) is nn.Linear]
 
     @property
     def length(self) -> int:
@@ -108,7 +129,23 @@ class TargetRunner:
         if self.static and T <= GRAPH_MAX_TOKENS:
             return self._static_forward(tokens, positions, start, attn_mask, logits_rows, want_aux)
         self.kv.start, self.kv.end = start, end
-        return self._run(tokens, positions, self._mask(positions, start, end, attn_mask), logits_rows, want_aux)
+        mask = self._mask(positions, start, end, attn_mask)
+        if self.weight_first and T in WEIGHT_FIRST_TOKENS:
+            with self._weight_first_linears():
+                return self._run(tokens, positions, mask, logits_rows, want_aux)
+        return self._run(tokens, positions, mask, logits_rows, want_aux)
+
+    @contextmanager
+    def _weight_first_linears(self):
+        """For one pass, each plain nn.Linear's `forward` is weight_first_linear (an instance attribute shadows
+        the class's method; removed afterwards, so the model is left as it came)."""
+        for module, forward in self._linears:
+            module.__dict__["forward"] = forward
+        try:
+            yield
+        finally:
+            for module, _ in self._linears:
+                module.__dict__.pop("forward", None)
 
     def _run(self, tokens, positions, mask, logits_rows, want_aux):
         """The decoder stack over `tokens` with `mask`; K/V go where `self.kv` says."""

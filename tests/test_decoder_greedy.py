@@ -159,3 +159,62 @@ def test_runner_matches_hf_forward_across_families(family):
     d, _ = runner.forward(ids[10:12], torch.arange(10, 12), 10)
     got = torch.cat([a, b, c[[0, 2]], d])
     assert torch.allclose(got, ref, atol=1e-10)
+
+
+# ---- fp32 on a CPU: verification passes take the weight-first product ----------------------------------------
+
+@pytest.mark.parametrize("shape,bias", [((3, 16), True), ((1, 5, 16), False)], ids=["2d-bias", "3d"])
+def test_weight_first_linear_is_linear(shape, bias):
+    from draftsmith.eval.target_runner import weight_first_linear
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 24, bias=bias)
+    x = torch.randn(*shape)
+    got = weight_first_linear(lin.weight, lin.bias, x)
+    assert got.shape == (*shape[:-1], 24)
+    torch.testing.assert_close(got, lin(x), rtol=1e-5, atol=1e-6)
+
+
+def test_fp32_runner_verifies_weight_first_and_leaves_the_model_as_it_came(monkeypatch, one_thread):
+    """A 2..8-token pass of an fp32 CPU target runs its linears weight first (same logits within fp32 rounding);
+    one-token steps do not; afterwards, and after a pass that raises, no module keeps the swapped forward."""
+    from draftsmith.eval import target_runner as tr
+
+    calls = []
+    monkeypatch.setattr(tr, "weight_first_linear", lambda w, b, x: calls.append(x.shape) or torch.nn.functional.linear(x, w, b))
+    target = load_target(TargetConfig(name="tiny", dtype="float32"))
+    linears = [m for m in target.model.modules() if type(m) is torch.nn.Linear]
+    runner = TargetRunner(target.model, 64, target.aux_layer_ids)
+    assert runner.weight_first and len(linears) > 0
+    ids = torch.randint(0, target.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
+    runner.forward(ids[:8], torch.arange(8), 0)  # 8 tokens: weight first
+    assert len(calls) == len(linears)
+    calls.clear()
+    runner.forward(ids[8:9], torch.arange(8, 9), 8)  # one token: torch's linear
+    assert calls == []
+    runner.forward(ids[:12], torch.arange(12), 0)  # 12 tokens (prefill): torch's linear
+    assert calls == [] and not any("forward" in m.__dict__ for m in linears)
+    with pytest.raises(ValueError):
+        runner.forward(ids[:4], torch.arange(4), 62)  # overflows the cache before any linear runs
+    monkeypatch.setattr(runner, "_run", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        runner.forward(ids[:4], torch.arange(4), 0)
+    assert not any("forward" in m.__dict__ for m in linears)
+
+
+def test_fp32_weight_first_verification_stays_greedy_identical(one_thread):
+    """fp32 on a CPU: speculative decoding (verify weight first) gives target-only greedy's tokens, and the
+    weight-first logits of a pass equal torch's linear within fp32 rounding."""
+    target = load_target(TargetConfig(name="tiny", dtype="float32"))
+    runner = TargetRunner(target.model, 256, target.aux_layer_ids)
+    ids = _repetitive_prompt()
+    a, _ = runner.forward(ids[:6], torch.arange(6), 0)
+    runner.weight_first = False
+    b, _ = runner.forward(ids[:6], torch.arange(6), 0)
+    runner.weight_first = True
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    ref = speculative_generate(runner, None, ids, 40, GREEDY, CHAIN, eos_token_ids=[])
+    proposers = {"ngram": NgramProposer(ngram_max=3, ngram_min=1), "self": _self_draft(target)}
+    for name, proposer in proposers.items():
+        got = speculative_generate(runner, proposer, ids, 40, GREEDY, CHAIN, eos_token_ids=[])
+        assert got.tokens == ref.tokens and got.n_verifications < ref.n_verifications, name
