@@ -81,10 +81,6 @@ def field_docs(cls) -> dict[str, str]:
 
 
 def _show(value) -> str:
-    from omegaconf import OmegaConf
-
-    if OmegaConf.is_config(value):
-        value = OmegaConf.to_container(value, resolve=True)
     if value is None:
         return "null"
     if isinstance(value, bool):

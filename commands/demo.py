@@ -242,7 +242,7 @@ def run(cfg: DemoConfig) -> dict:
     """Run (or skip / resume) the three stages, sized to the budget first where the flavour asks for it; returns
     {"seconds": {stage: s, "total": s}, "skipped": [...], "plan": ... (budgeted flavours), "report": eval report}."""
     s = sizes(cfg)
-    overwrite = bool(getattr(cfg, "overwrite", False))
+    overwrite = cfg.overwrite
     out = mf.prepare_output(cfg.out, "demo", overwrite=overwrite)
     prepare_demo_folder(out, overwrite)
     if s["budget"]:

@@ -88,7 +88,7 @@ def run(cfg: ExportConfig) -> Path:
     verifier = cfg.verifier or (default_verifier((target or {}).get("target_id")) if fmt == "speculators" else None)
     target_id = (target or {}).get("target_id")
     options = FormatOptions(torch_dtype(cfg.dtype), cfg.include_embeddings, verifier, cfg.num_speculative_tokens,
-                            lambda: head_target_folder(getattr(cfg, "target_dir", None), target_id))
+                            lambda: head_target_folder(cfg.target_dir, target_id))
     try:
         return method.formats[fmt](drafter, out, target, options)
     except BaseException:

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, ListConfig, MISSING, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from draftsmith.core import DraftsmithError
-from draftsmith.core.methods import methods
+from draftsmith.core.methods import methods, trainable
 
 CONFIG_MODULE = "draftsmith.configs"
 
@@ -137,14 +137,18 @@ def _instantiate(cls, node):
 
 
 def _options(cls, prefix: str = "") -> list[str]:
-    """Every option of a schema dataclass, nested ones dotted."""
+    """Every option of a schema dataclass, nested ones dotted; a field a group option types (CHOSEN_BY_GROUP: the
+    `method` of train) lists the options of every trainable method's Config."""
     names = []
     for f in dataclasses.fields(cls):
         names.append(prefix + f.name)
-        sub = _field_dataclass(cls, f.name)
-        if sub is not None:
+        if f.name in getattr(cls, "CHOSEN_BY_GROUP", ()):
+            subs = [methods()[name].config for name in trainable()]
+        else:
+            subs = [sub for sub in (_field_dataclass(cls, f.name),) if sub is not None]
+        for sub in subs:
             names += _options(sub, prefix + f.name + ".")
-    return names
+    return list(dict.fromkeys(names))  # each option once
 
 
 def _field_dataclass(cls, name: str):

@@ -22,16 +22,17 @@ A method has the same files in each stage, each with the same hooks; its row onl
     eval/proposers/<m>.py        proposer(drafter, target_vocab_size, max_len) -> Proposer
     configs/method/<m>.yaml      the options' defaults
 
-A row names the modules (imported when a stage first asks for a hook, so `draftsmith eval` never imports
-training code and `draftsmith train` never imports eval's); a method defined outside draftsmith registers
-its row with `register`. A row without `training` can be evaluated (its folders loaded and drafted with) but
-not trained. A row's `engines` (draftsmith.core.engine.Engines) are vLLM's and SGLang's names for the method: eval's
-recommended serving settings and publish's card come from them (eval/cost.py `serving_settings`).
+The rows are in draftsmith.methods (commands/methods.py, the package root, which registers them when `draftsmith` is
+imported, so before any stage asks): each names its modules with a loader, a function whose body is the import of
+the module, run when a stage first asks for a hook, so `draftsmith eval` never imports training code and
+`draftsmith train` never imports eval's; a method defined outside draftsmith registers its row with `register`. A row
+without `training_module` can be evaluated (its folders loaded and drafted with) but not trained. A row's `engines`
+(draftsmith.core.engine.Engines) are vLLM's and SGLang's names for the method: eval's recommended serving settings and
+publish's card come from them (eval/cost.py `serving_settings`).
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,24 +79,21 @@ class Proposing(Protocol):
 
 @dataclass(frozen=True)
 class Method:
-    """One row: the method's name, the modules holding its hooks (import names) and what the engines call it."""
+    """One row: the method's name, loaders of the modules holding its hooks and what the engines call it."""
 
     name: str
-    folders: str  # heads/<m>_folders.py
-    proposers: str  # eval/proposers/<m>.py
-    training_module: Optional[str] = None  # train/<m>.py; None = not trainable
+    folders: Callable[[], ModuleType]  # () -> heads/<m>_folders.py
+    proposers: Callable[[], ModuleType]  # () -> eval/proposers/<m>.py
+    training_module: Optional[Callable[[], ModuleType]] = None  # () -> train/<m>.py; None = not trainable
     engines: Engines = Engines(vllm=None)  # vLLM's and SGLang's names for it (eval's report, publish's card)
-
-    def _module(self, name: str) -> ModuleType:
-        return importlib.import_module(name)
 
     @property
     def heads(self) -> Folders:
-        return self._module(self.folders)  # type: ignore[return-value]
+        return self.folders()  # type: ignore[return-value]
 
     @property
     def train(self) -> Optional[Training]:
-        return self._module(self.training_module) if self.training_module else None  # type: ignore[return-value]
+        return self.training_module() if self.training_module is not None else None  # type: ignore[return-value]
 
     # what the stages read
     @property
@@ -141,7 +139,7 @@ class Method:
         return getattr(self.heads, "card", None)
 
     def proposer(self, drafter: Any, target_vocab_size: int, max_len: int) -> Any:
-        return self._module(self.proposers).proposer(drafter, target_vocab_size, max_len)
+        return self.proposers().proposer(drafter, target_vocab_size, max_len)
 
     @property
     def config(self) -> Optional[type]:
@@ -164,24 +162,9 @@ class Method:
         return self.train.OFFLINE_DATA if self.train is not None else "hidden_states"
 
 
-# ---- the table ----------------------------------------------------------------------------------
+# ---- the table: draftsmith.methods (commands/methods.py) registers the package's rows ------------------------
 
-ROWS = (
-    Method("eagle3", folders="draftsmith.heads.eagle3_folders", proposers="draftsmith.eval.proposers.eagle3",
-           training_module="draftsmith.train.eagle3", engines=Engines(vllm="eagle3", sglang="EAGLE3", llamacpp="draft-eagle3")),
-    # P-EAGLE's folders share EAGLE-3's architecture (`LlamaForCausalLMEagle3`, as vLLM wants): it claims those
-    # with "parallel_drafting": true. vLLM serves it as eagle3 with parallel drafting; SGLang has no P-EAGLE.
-    Method("peagle", folders="draftsmith.heads.peagle_folders", proposers="draftsmith.eval.proposers.peagle",
-           training_module="draftsmith.train.peagle",
-           engines=Engines(vllm="eagle3", vllm_options=(("parallel_drafting", True),))),
-    # DFlash: vLLM's method dflash (the folder's DFlashDraftModel); SGLang's DFLASH flags are not confirmed here
-    Method("dflash", folders="draftsmith.heads.dflash_folders", proposers="draftsmith.eval.proposers.dflash",
-           training_module="draftsmith.train.dflash", engines=Engines(vllm="dflash")),
-    # the catch-all (ARCHITECTURES = ()): any HF causal-LM folder is evaluated as a draft model
-    Method("draft", folders="draftsmith.heads.draft_folders", proposers="draftsmith.eval.proposers.draft",
-           training_module="draftsmith.train.draft", engines=Engines(vllm="draft_model", sglang="STANDALONE", llamacpp="draft-simple")),
-)
-METHODS: dict[str, Method] = {row.name: row for row in ROWS}
+METHODS: dict[str, Method] = {}
 
 
 def methods() -> dict[str, Method]:

@@ -54,6 +54,7 @@ from pathlib import Path
 import datasets
 from omegaconf import OmegaConf
 
+from draftsmith.configs import check_config
 from draftsmith.core import DraftsmithError
 from draftsmith.core import artifacts as mf
 from draftsmith.data_gen.capture import WRITTEN as CAPTURE_FILES
@@ -310,12 +311,6 @@ def check_failures(cfg, samples: list[dict], failures: dict, prompts: int, folde
                           f"recorded as done{kept}: rerun the same command to retry {again}{_failure_hint(kind)}.")
 
 
-def _as_dict(node) -> dict:
-    if OmegaConf.is_config(node):
-        return OmegaConf.to_container(node, resolve=True)
-    return dataclasses.asdict(node) if dataclasses.is_dataclass(node) else dict(vars(node))
-
-
 def load_prompts_cached(cfg, target, identity: dict, out: Path) -> tuple[list[dict], dict]:
     """The prompt set and what the prompt filters dropped (data_gen/filters.py; {} unless self-written
     and filters.prompts); self-written prompts are saved in regenerated/ and reused by a rerun with the
@@ -323,7 +318,8 @@ def load_prompts_cached(cfg, target, identity: dict, out: Path) -> tuple[list[di
     if cfg.prompts.source != "self":
         return load_prompts(cfg.prompts, target), {}
     key = _digest({"target": [identity["target_hash"], identity["tokenizer_hash"], cfg.target.dtype],
-                   "prompts": _as_dict(cfg.prompts), **({"filters": _as_dict(cfg.filters)} if cfg.filters.prompts else {})})
+                   "prompts": dataclasses.asdict(cfg.prompts),
+                   **({"filters": dataclasses.asdict(cfg.filters)} if cfg.filters.prompts else {})})
     path = out / REGEN / "self_prompts.json"
     try:
         saved = json.loads(path.read_bytes())
@@ -375,6 +371,7 @@ def run(cfg: DataGenConfig) -> dict:
     Under torchrun a rank whose share is done while another rank finishes returns its own summary
     (draftsmith.data_gen.ranks)."""
     t0 = time.perf_counter()
+    cfg = check_config("data_gen", cfg)  # the typed tree, whatever `cfg` was (a composed config or one built in code)
     cfg, out, target, identity, dtype_why, rank, world = prepare(cfg)
     lock = acquire_lock(out, rank)
     remove_temporaries(out, world)
@@ -443,7 +440,7 @@ def sets_key(cfg, identity: dict, samples: list[dict], settings: dict) -> str:
     """What the tokenized set is made from (prompts + settings): a finished set with this key is reused."""
     return _digest({"prompts": _prompt_fingerprint(samples), "regenerate": settings if cfg.regenerate else None,
                     "tokenize": [identity["tokenizer_hash"], cfg.max_length, cfg.on_overflow, cfg.reasoning],
-                    **({"filters": _as_dict(cfg.filters)} if cfg.filters.answers else {})})
+                    **({"filters": dataclasses.asdict(cfg.filters)} if cfg.filters.answers else {})})
 
 
 def build_sets(cfg, target, samples: list[dict], out: Path, settings: dict, key: str, rank: int = 0,

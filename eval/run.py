@@ -40,7 +40,8 @@ from draftsmith.eval.proposers.ngram import NGRAM_ENGINES, NgramFirstProposer, N
 from draftsmith.eval.report import hardware, software_versions, summary_lines, write_report
 from draftsmith.eval.target_runner import TargetRunner
 from draftsmith.heads.folders import weights_sha256
-from draftsmith.core.methods import method_for_folder, read_folder_config
+from draftsmith.configs import check_config
+from draftsmith.core.methods import Method, method_for_folder, read_folder_config
 from draftsmith.core.progress import progress
 from draftsmith.core.sampling import SamplingConfig
 
@@ -59,6 +60,7 @@ class Drafter:
     info: dict = field(default_factory=dict)
     model: Optional[torch.nn.Module] = None  # the loaded drafter (a transformers model can be hf_assisted's)
     engines: Engines = Engines(vllm=None)  # what vLLM and SGLang call it (its method's row; ngram's own)
+    row: Optional[Method] = None  # its method's row (a head folder's); None for ngram and none
 
 
 def find_head_folder(path: Path) -> Path:
@@ -121,7 +123,7 @@ def load_drafter(cfg, target: Target, max_len: int) -> Drafter:
             # publish matches the head it publishes by this
             "sha256": weights_sha256(folder) if (folder / "model.safetensors").is_file() else None}
     return with_ngram_first(cfg, Drafter(entry.name, lambda: entry.proposer(model, target.vocab_size, max_len),
-                                         info, model, entry.engines))
+                                         info, model, entry.engines, entry))
 
 
 def ngram_proposer(cfg) -> Proposer:
@@ -134,7 +136,7 @@ def with_ngram_first(cfg, drafter: Drafter) -> Drafter:
         return drafter
     info = drafter.info | {"ngram_first": True, "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max}
     return Drafter(f"ngram+{drafter.method}", lambda: NgramFirstProposer(ngram_proposer(cfg), drafter.make()),
-                   info, drafter.model, drafter.engines)  # served as its head
+                   info, drafter.model, drafter.engines, drafter.row)  # served as its head
 
 
 # --------------------------------------------------------------------------- decoding
@@ -221,6 +223,7 @@ class Setup:
 
 def run(cfg: EvalConfig) -> dict:
     """Evaluate `cfg.head` on `cfg.prompts`; returns the report (also written under cfg.out)."""
+    cfg = check_config("eval", cfg)  # the typed tree, whatever `cfg` was (a composed config or one built in code)
     setup = prepare(cfg)
     cfg = setup.cfg  # target.dtype=auto resolved
     drafter = load_drafter(cfg, setup.target, setup.runner.max_len)
@@ -232,12 +235,10 @@ def run(cfg: EvalConfig) -> dict:
     report = build_report(setup, drafter, samples, hf_samples)
     report.update(cost_report(setup, drafter, samples, report))
     if cfg.engine == "vllm":  # the same prompts inside vLLM, its figures beside ours
-        path = drafter.info.get("path")
-        engine_warning = method_for_folder(Path(path)).engine_warning if path else None  # the method's own hook
+        engine_warning = drafter.row.engine_warning if drafter.row else None  # the method's own hook
         report.update(engine_report(setup, drafter, samples, report, _hub_id(setup.target.target_id), engine_warning))
     elif cfg.engine == "llamacpp":  # the same prompts in llama-server
-        path = drafter.info.get("path")
-        write_gguf = method_for_folder(Path(path)).formats.get("gguf") if path else None
+        write_gguf = drafter.row.formats.get("gguf") if drafter.row else None
         report.update(llamacpp_report(setup, drafter, samples, report, write_gguf))
     report["wall_s"] = round(time.perf_counter() - t0, 2)
     write_outputs(setup, drafter, report)

@@ -92,6 +92,7 @@ REFUSED = [
     ("data_gen", ["prompts.nn=3"], "unknown option prompts.nn for draftsmith data-gen; did you mean prompts.n?"),
     ("data_gen", ["+target.nme=x"], "unknown option target.nme for draftsmith data-gen; did you mean target.name?"),
     ("eval", ["+prompts.holdot=3"], "did you mean prompts.holdout?"),
+    ("train", ["method=eagle3", "method.draft_vocab_sise=10"], "did you mean method.draft_vocab_size?"),
     ("train", ["lr=abc"], "lr=abc is not a valid number"),
     ("data_gen", ["prompts.n=abc"], "prompts.n=abc is not a valid integer"),
     ("train", ["progress=maybe"], "progress=maybe is not a valid boolean"),

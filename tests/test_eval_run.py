@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from draftsmith.core import DraftsmithError
 from draftsmith.cli import main
@@ -115,6 +116,14 @@ def test_head_for_another_target_is_refused(questions, tmp_path):
     with pytest.raises(DraftsmithError) as e:
         run(eval_cfg(questions, tmp_path / "out", f"head={head}"))
     assert "other" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_run_takes_a_dictconfig(questions, tmp_path):
+    """run checks and types a DictConfig (OmegaConf.structured, Hydra's own) as train's does: the stage's own
+    check answers (head= names no folder, found after the target is loaded), not a TypeError."""
+    cfg = OmegaConf.structured(eval_cfg(questions, tmp_path / "out", f"head={tmp_path / 'nohead'}"))
+    with pytest.raises(DraftsmithError, match="is neither `ngram`, `none` nor a folder"):
+        run(cfg)
 
 
 def test_unknown_head_is_refused(questions, tmp_path):

@@ -33,6 +33,8 @@ LATE_OK = {
     "draftsmith.cli": "procenv.share_cores() must run before anything imports torch (OpenMP reads it at load)",
     "draftsmith.core.vllm_worker": "run by path in vLLM's own venv: the standard library and vLLM only",
     "draftsmith.core.vllm_generate": "run by path in vLLM's own venv: the standard library and vLLM only",
+    "draftsmith.methods": "each method row's loaders import its modules when a stage first asks for a hook (eval "
+                          "never imports training code, train never eval's proposers, the CLI no torch)",
 }
 
 
@@ -165,12 +167,15 @@ def floors(edges: dict[str, set[str]]) -> int:
 
 # The height of each stage (STYLE.md 14): a module imports only modules of its own height or below. The core's
 # shared infrastructure (artifacts, checks, machine, engine, the method table...) and configs are the floor; the root
-# entry points (export, publish, the demo, the CLI) sit above every stage.
+# (commands/: the package's __init__, the method rows and the entry points export, publish, the demo, the CLI) sits
+# above every stage.
 ENTRY_POINTS = ("draftsmith.export", "draftsmith.publish", "draftsmith.demo", "draftsmith.cli")
-# The method table names each method's modules by import name; only the stage runners and the entry points read it.
+ROWS = "draftsmith.methods"  # the method rows, whose loaders import each method's modules (function-level)
+TOP = ("draftsmith", ROWS, *ENTRY_POINTS)
+# The method table; only the stage runners, the rows and the entry points read it.
 TABLE = "draftsmith.core.methods"
 TABLE_READERS = ("draftsmith.data_gen.run", "draftsmith.train.run", "draftsmith.eval.run", "draftsmith.configs",
-                 *ENTRY_POINTS)
+                 ROWS, *ENTRY_POINTS)
 
 
 def stage(module: str) -> str:
@@ -181,7 +186,7 @@ STAGES = {"data_gen": 1, "heads": 1, "train": 2, "eval": 2}
 
 
 def height(module: str) -> int:
-    return 3 if module in ENTRY_POINTS else STAGES.get(stage(module), 0)
+    return 3 if module in TOP else STAGES.get(stage(module), 0)
 
 
 def upward(g: dict[str, Imports], late: bool = True) -> list[tuple[str, str]]:
@@ -247,7 +252,9 @@ def test_no_stage_imports_a_higher_one():
 
 
 def reached(g: dict[str, Imports], start: str) -> set[str]:
-    """Every module `start` imports, directly or not (the method table's rows are import names: not followed)."""
+    """Every module `start` imports, directly or not. The method rows (draftsmith.methods, whose loaders import each
+    method's modules) are imported by the package root, which no stage module names: a stage reaches them only through
+    the table, when it asks a row for a hook."""
     seen, todo = set(), [start]
     while todo:
         m = todo.pop()
@@ -274,13 +281,15 @@ def package_edges(g: dict[str, Imports]) -> dict[str, set[str]]:
 
 
 def test_no_package_circle():
-    """Between packages too: the core imports nothing above it, data_gen and heads only the core."""
+    """Between packages too: the core imports nothing above it, the configs only the core, heads only the core and
+    data_gen only the floor (the core, and the configs' check its `run` starts with, like every stage's)."""
     edges = package_edges(graph())
     assert len(edges) == 7, sorted(edges)  # the root, core, data_gen, heads, train, eval, configs
     assert not circles(edges), f"package circles: {circles(edges)}"
     assert edges["draftsmith.core"] == set(), edges["draftsmith.core"]
-    for package in ("draftsmith.data_gen", "draftsmith.heads"):
-        assert edges[package] == {"draftsmith.core"}, (package, edges[package])
+    for package, floor in (("draftsmith.configs", {"draftsmith.core"}), ("draftsmith.heads", {"draftsmith.core"}),
+                           ("draftsmith.data_gen", {"draftsmith.core", "draftsmith.configs"})):
+        assert edges[package] == floor, (package, edges[package])
 
 
 def test_docs_name_every_module():

@@ -5,7 +5,6 @@ enforced by eval, and the target layers a drafter reads (data-gen captures exact
 from __future__ import annotations
 
 import json
-import sys
 import types
 
 import datasets
@@ -47,7 +46,8 @@ def test_every_row_says_what_the_engines_call_it():
         "parallel_drafting": True} and rows["peagle"].engines.sglang is None
     assert rows["draft"].engines == Engines(vllm="draft_model", sglang="STANDALONE", llamacpp="draft-simple")
     assert rows["peagle"].engines.llamacpp is None and rows["dflash"].engines.llamacpp is None
-    assert methods.Method("x", folders="a", proposers="b").engines.vllm is None  # a new row serves nowhere by default
+    x = types.ModuleType("x")
+    assert methods.Method("x", folders=lambda: x, proposers=lambda: x).engines.vllm is None  # serves nowhere by default
 
 
 # --------------------------------------------------------------------------- K: one name, one default
@@ -111,11 +111,9 @@ def layer_probe_method():
     mod = types.ModuleType("layer_probe_folders")
     mod.ARCHITECTURES, mod.FORMATS = ("LayerProbe",), {}
     mod.aux_layer_ids = lambda num_layers: [0, num_layers]
-    sys.modules[mod.__name__] = mod
-    methods.register(methods.Method("layerprobe", folders=mod.__name__, proposers=mod.__name__))
+    methods.register(methods.Method("layerprobe", folders=lambda: mod, proposers=lambda: mod))
     yield mod
     del methods.methods()["layerprobe"]
-    del sys.modules[mod.__name__]
 
 
 def test_load_target_takes_the_methods_request_unless_the_user_set_layers(layer_probe_method):

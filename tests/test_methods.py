@@ -4,7 +4,6 @@ stages find methods only through the table."""
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,6 +14,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from test_eval_run import eval_cfg, questions  # noqa: F401  (fixture)
 from test_train_data import make_tiny_data
+from throwaway_method import bigram_folders, bigram_proposer, train_bigram
 from throwaway_method.bigram import ARCH, Bigram
 from throwaway_method.bigram_folders import save_bigram
 from throwaway_method.train_bigram import BigramConfig
@@ -25,12 +25,11 @@ from draftsmith.configs import compose
 
 @pytest.fixture
 def bigram_method():
-    entry = methods.Method("bigram", folders="throwaway_method.bigram_folders",
-                           proposers="throwaway_method.bigram_proposer",
-                           training_module="throwaway_method.train_bigram")
+    entry = methods.Method("bigram", folders=lambda: bigram_folders, proposers=lambda: bigram_proposer,
+                           training_module=lambda: train_bigram)
     methods.register(entry)
     # the method is its own files, all outside draftsmith, plus this row: no draftsmith file was edited for it
-    for module in (entry.heads, entry.train, importlib.import_module(entry.proposers)):
+    for module in (entry.heads, entry.train, entry.proposers()):
         assert not module.__name__.startswith("draftsmith.")
         assert Path(module.__file__).resolve().parent == Path(__file__).resolve().parent / "throwaway_method"
     yield entry

@@ -817,9 +817,10 @@ def register_method() -> None:
     draftsmith's own EAGLE-3 proposer drafts with them; vLLM serves them as eagle3."""
     from draftsmith.core.engine import Engines
     from draftsmith.core.methods import Method, register
+    from draftsmith.eval.proposers import eagle3
 
-    module = __name__ if __name__ in sys.modules else "__main__"
-    register(Method("speculators_eagle3", folders=module, proposers="draftsmith.eval.proposers.eagle3",
+    this = sys.modules[__name__]  # this script, run as __main__ or loaded by a test
+    register(Method("speculators_eagle3", folders=lambda: this, proposers=lambda: eagle3,
                     engines=Engines(vllm="eagle3")))
 
 
