@@ -135,7 +135,8 @@ def check_options(cfg) -> None:
 
 
 def check_engine_options(cfg) -> None:
-    """engine=vllm and engine=llamacpp measure greedy chain drafting with a fixed K; one sentence otherwise."""
+    """engine=vllm and engine=llamacpp measure greedy chain drafting (vLLM's with a fixed K; llama.cpp's stops where
+    drafting.stop_below says, its --spec-draft-p-min); one sentence otherwise."""
     engine = cfg.engine
     if engine == "builtin":
         return
@@ -144,8 +145,9 @@ def check_engine_options(cfg) -> None:
     if cfg.drafting.mode != "chain":
         raise DraftsmithError(f"engine={engine} drafts chains (the engines' EAGLE and draft-model drafting): set "
                               "drafting.mode=chain.")
-    if cfg.drafting.stop_below:
-        raise DraftsmithError(f"engine={engine} drafts a fixed K: set drafting.stop_below=0.")
+    if cfg.drafting.stop_below and engine == "vllm":  # llama.cpp has the same rule: --spec-draft-p-min
+        raise DraftsmithError("engine=vllm drafts a fixed K (it has no dynamic draft length): set "
+                              "drafting.stop_below=0.")
     if cfg.ngram_first and engine == "vllm":  # llama.cpp mixes them (its ngram+<method> run)
         raise DraftsmithError("engine=vllm: vLLM has no n-gram-first mode for a head; set ngram_first=false.")
 

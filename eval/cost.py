@@ -143,7 +143,7 @@ def best_measured(rows: Sequence[dict]) -> Optional[dict]:
 
 def serving_settings(method: str, engines: Engines, target_model: str, head_path: Optional[str], k: int,
                      mode: str = "chain", tree_top_k: int = 1, tree_size: Optional[int] = None, ngram_min: int = 1,
-                     ngram_max: int = 3, line_break: bool = False) -> dict:
+                     ngram_max: int = 3, line_break: bool = False, stop_below: float = 0.0) -> dict:
     """vLLM's --speculative-config and SGLang's --speculative-* flags for `method` at draft length `k`.
 
     `engines`: the method's row's names for it (draftsmith.core.methods; ngram's is eval's NGRAM_ENGINES; ngram+<m>
@@ -182,14 +182,17 @@ def serving_settings(method: str, engines: Engines, target_model: str, head_path
                          "command": f"python -m sglang.launch_server --model-path {target_model}{sep}{text}"}
     # ngram+<m> (eval's ngram_first): llama.cpp mixes the two, vLLM and SGLang serve <m> alone
     out["llamacpp"] = llamacpp_settings(method.removeprefix("ngram+"), engines, k, ngram_max, sep,
-                                        ngram_first=method.startswith("ngram+"))
+                                        ngram_first=method.startswith("ngram+"), stop_below=stop_below)
     return out
 
 
 def llamacpp_settings(method: str, engines: Engines, k: int, ngram_max: int = 3, sep: str = " ",
-                      ngram_first: bool = False) -> dict:
+                      ngram_first: bool = False, stop_below: float = 0.0) -> dict:
     """llama-server's --spec-type and command for `method` at K (the target and drafter as GGUF files: export
-    format=gguf writes the drafter). `ngram_first`: llama.cpp's mixing, n-gram lookup first, then the drafter."""
+    format=gguf writes the drafter). `ngram_first`: llama.cpp's mixing, n-gram lookup first, then the drafter.
+    `stop_below` (eval's drafting.stop_below) is llama.cpp's --spec-draft-p-min, the same rule: the drafter's chain
+    stops before its first depth whose top probability is below it (llama.cpp reads that probability among the
+    drafter's 10 best, renormalized, so it cuts a little later than the built-in decoder for the same value)."""
     if engines.llamacpp is None:
         return {"spec_type": None, "command": None,
                 "note": f"llama.cpp has no loader for {method!r} drafters; serve it with vLLM."}
@@ -197,6 +200,8 @@ def llamacpp_settings(method: str, engines: Engines, k: int, ngram_max: int = 3,
     flags = ["--spec-type", ",".join(types), "--spec-draft-n-max", str(k)]
     if "ngram-simple" in types:  # llama.cpp's defaults match 12 tokens and copy 48: ours match ngram_max, copy K
         flags += ["--spec-ngram-simple-size-n", str(ngram_max), "--spec-ngram-simple-size-m", str(k)]
+    if stop_below and engines.draft_folder:  # llama.cpp's default p-min is 0: a fixed K
+        flags += ["--spec-draft-p-min", f"{stop_below:g}"]
     draft = ["-md", "<head>.gguf"] if engines.draft_folder else []
     parts = ["llama-server -m <target>.gguf", " ".join(draft + flags[:2]), " ".join(flags[2:]), "--parallel 1"]
     return {"spec_type": ",".join(types), "flags": flags,

@@ -38,7 +38,7 @@ class DraftingConfig:
     tree_budget: int = 32  # max draft tokens per step
     # Dynamic draft length (chain mode): a chain ends with its first token whose drafter probability is below
     # this; 0 = off, always num_speculative_tokens. Lossless: a sampled token keeps the q it was drawn from.
-    stop_below: float = 0.0  # chain drafting: stop at the first token the drafter gives a probability below this (0 = off)
+    stop_below: float = 0.0  # chain drafting: stop before a depth whose top drafter probability is below this (0 = off)
 
     def __post_init__(self):
         if self.mode not in ("chain", "tree"):
@@ -57,7 +57,8 @@ class DraftingConfig:
                                   f"drafting.mode=tree set it to 0.")
 
     def stops_at(self, prob: float) -> bool:
-        """Dynamic draft length: does a chain end with a token its drafter gave probability `prob`?"""
+        """Dynamic draft length (llama.cpp's --spec-draft-p-min): does a chain stop before a depth whose drafter's top
+        probability is `prob`?"""
         return prob < self.stop_below
 
 

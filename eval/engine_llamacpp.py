@@ -80,12 +80,14 @@ def llamacpp_runs(cfg, drafter, k: int) -> list[dict]:
         return runs + [{"name": "ngram", "k": k, "flags": ngram(k)["flags"], "draft": False}]
     if drafter.engines.llamacpp is None:
         raise DraftsmithError(f"engine=llamacpp: {llamacpp_settings(method, drafter.engines, k)['note']}")
+    p_min = cfg.drafting.stop_below  # llama.cpp's --spec-draft-p-min: the same rule (eval/cost.py)
     for kk in dict.fromkeys([k, *cfg.sweep_k]):
         runs.append({"name": run_name(method, kk, k), "k": kk, "draft": True,
-                     "flags": llamacpp_settings(method, drafter.engines, kk, cfg.ngram_max)["flags"]})
+                     "flags": llamacpp_settings(method, drafter.engines, kk, cfg.ngram_max, stop_below=p_min)["flags"]})
     runs.append({"name": "ngram", "k": k, "flags": ngram(k)["flags"], "draft": False})
     runs.append({"name": f"ngram+{method}", "k": k, "draft": True,
-                 "flags": llamacpp_settings(method, drafter.engines, k, cfg.ngram_max, ngram_first=True)["flags"]})
+                 "flags": llamacpp_settings(method, drafter.engines, k, cfg.ngram_max, ngram_first=True,
+                                            stop_below=p_min)["flags"]})
     return runs
 
 
@@ -199,7 +201,7 @@ def recommendation(section: dict, drafter, cfg) -> Optional[dict]:
     mixed = name.startswith("ngram+")
     engines = NGRAM_ENGINES if name == "ngram" else drafter.engines
     settings = llamacpp_settings("ngram" if name == "ngram" else method, engines, best["k"], cfg.ngram_max,
-                                 ngram_first=mixed)
+                                 ngram_first=mixed, stop_below=cfg.drafting.stop_below)
     if settings.get("command"):  # the target this eval served; the head as `draftsmith export format=gguf` writes it
         settings["command"] = settings["command"].replace("<target>.gguf", section["target"])
         if "<head>.gguf" in settings["command"]:

@@ -401,7 +401,7 @@ def cost_report(setup: Setup, drafter: Drafter, samples: dict[str, list[metrics.
         target_model = _hub_id(setup.target.target_id)
         settings = cost.serving_settings(drafter.method, drafter.engines, target_model, drafter.info.get("path"),
                                          best["k"], d.mode, d.tree_top_k, d.tree_budget if tree else None,
-                                         cfg.ngram_min, cfg.ngram_max)
+                                         cfg.ngram_min, cfg.ngram_max, stop_below=d.stop_below)
         out["recommendation"] = {"k": best["k"], "mode": d.mode, "measured_speedup": best["measured_speedup"],
                                  "predicted_speedup": best["predicted_speedup"],
                                  "faster_than_target_only": best["measured_speedup"] > 1.0, **settings}

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import shutil
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draftsmith.core import DraftsmithError, engine, llamacpp
+from draftsmith.core import DraftsmithError, llamacpp
 from draftsmith.cli import main
 from draftsmith.configs import compose
 from draftsmith.eval import cost
@@ -124,6 +123,22 @@ def argv_of(settings: dict) -> list[str]:
 def value_after(argv: list[str], flag: str) -> str:
     assert argv.count(flag) == 1, (flag, argv)
     return argv[argv.index(flag) + 1]
+
+
+def test_stop_below_is_served_as_llamacpps_p_min():
+    """drafting.stop_below is llama.cpp's --spec-draft-p-min (the same rule), on the drafter's runs only: eval
+    accepts it with engine=llamacpp and every drafter run and the recommended command carry it."""
+    engines = methods()["eagle3"].engines
+    for ngram_first in (False, True):
+        argv = argv_of(cost.llamacpp_settings("eagle3", engines, 3, ngram_first=ngram_first, stop_below=0.4))
+        assert value_after(argv, "--spec-draft-p-min") == "0.4"
+    assert "--spec-draft-p-min" not in cost.llamacpp_settings("eagle3", engines, 3)["flags"]  # 0: llama.cpp's own 0
+    assert "--spec-draft-p-min" not in cost.llamacpp_settings("ngram", NGRAM_ENGINES, 3, stop_below=0.4)["flags"]
+    cfg = compose("eval", ["engine=llamacpp", "drafting.stop_below=0.4", "sweep_k=[1]"])
+    drafter = SimpleNamespace(method="eagle3", engines=engines, make=lambda: None)
+    runs = {r["name"]: r for r in ll.llamacpp_runs(cfg, drafter, 3)}
+    assert {name for name, r in runs.items() if "--spec-draft-p-min" in r["flags"]} == {
+        name for name, r in runs.items() if r["draft"]} and len([r for r in runs.values() if r["draft"]]) == 3
 
 
 @pytest.mark.parametrize("method, spec_type", [("eagle3", "draft-eagle3"), ("draft", "draft-simple")])
@@ -233,7 +248,7 @@ def test_every_flag_we_pass_is_one_llama_server_knows(llamacpp_ready):
 
 def test_llamacpp_runs_of_a_head_are_its_ks_ngram_and_head_after_ngram():
     drafter = SimpleNamespace(method="eagle3", make=lambda: None, engines=methods()["eagle3"].engines)
-    cfg = SimpleNamespace(ngram_max=2, sweep_k=[1, 3, 5])
+    cfg = SimpleNamespace(ngram_max=2, sweep_k=[1, 3, 5], drafting=SimpleNamespace(stop_below=0.0))
     runs = ll.llamacpp_runs(cfg, drafter, 3)
     assert [r["name"] for r in runs] == [TARGET_ONLY, "eagle3", "eagle3@K=1", "eagle3@K=5", "ngram", "ngram+eagle3"]
     by_name = {r["name"]: r for r in runs}
@@ -248,7 +263,7 @@ def test_llamacpp_runs_of_a_head_are_its_ks_ngram_and_head_after_ngram():
 def test_llamacpp_runs_refuse_a_head_llama_cpp_cannot_load():
     drafter = SimpleNamespace(method="peagle", make=lambda: None, engines=methods()["peagle"].engines)
     with pytest.raises(DraftsmithError, match=r"^engine=llamacpp: llama.cpp has no loader for 'peagle'"):
-        ll.llamacpp_runs(SimpleNamespace(ngram_max=3, sweep_k=[]), drafter, 3)
+        ll.llamacpp_runs(SimpleNamespace(ngram_max=3, sweep_k=[], drafting=SimpleNamespace(stop_below=0.0)), drafter, 3)
 
 
 def test_recommendation_is_the_fastest_run_with_its_command():
@@ -256,7 +271,7 @@ def test_recommendation_is_the_fastest_run_with_its_command():
     section = {"target": "/models/target.gguf", "runs": {
         "eagle3": {"k": 3, "speedup": 1.4}, "eagle3@K=5": {"k": 5, "speedup": 1.7},
         "ngram": {"k": 3, "speedup": 1.1}, "ngram+eagle3": {"k": 3, "speedup": 1.5}}}
-    rec = ll.recommendation(section, drafter, SimpleNamespace(ngram_max=3))
+    rec = ll.recommendation(section, drafter, SimpleNamespace(ngram_max=3, drafting=SimpleNamespace(stop_below=0.0)))
     assert (rec["drafter"], rec["k"], rec["measured_speedup"]) == ("eagle3@K=5", 5, 1.7)
     assert rec["faster_than_target_only"] and rec["measured_by"] == "llamacpp"
     command = rec["llamacpp"]["command"]
@@ -265,7 +280,7 @@ def test_recommendation_is_the_fastest_run_with_its_command():
     assert drafter_file == "runs/h/final-gguf/eagle3.gguf"
     assert rec["llamacpp"]["export_command"] == "draftsmith export head=runs/h/final format=gguf out=runs/h/final-gguf"
     section["runs"]["ngram"]["speedup"] = 2.0
-    rec = ll.recommendation(section, drafter, SimpleNamespace(ngram_max=3))
+    rec = ll.recommendation(section, drafter, SimpleNamespace(ngram_max=3, drafting=SimpleNamespace(stop_below=0.0)))
     assert rec["drafter"] == "ngram" and " -md " not in rec["llamacpp"]["command"]
 
 
@@ -423,7 +438,6 @@ def test_gguf_export_into_a_folder_of_other_files_is_refused(tiny_files, tmp_pat
 @pytest.mark.parametrize("overrides, words", [
     (["temperature=0.7"], "engine=llamacpp measures greedy decoding: set temperature=0"),
     (["drafting.mode=tree"], "engine=llamacpp drafts chains"),
-    (["drafting.stop_below=0.3"], "engine=llamacpp drafts a fixed K"),
 ])
 def test_eval_engine_llamacpp_refuses_what_it_cannot_measure(overrides, words):
     with pytest.raises(DraftsmithError) as e:

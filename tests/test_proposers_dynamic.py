@@ -1,5 +1,6 @@
-"""Dynamic draft length (`drafting.stop_below`): a chain ends with its first token whose drafter probability is
-below the threshold, no drafter step is spent past it, and decoding stays lossless (greedy token-identical to
+"""Dynamic draft length (`drafting.stop_below`, llama.cpp's --spec-draft-p-min rule): a chain stops before its first
+depth whose drafter top probability is below the threshold (an unsure first depth: an empty draft), no drafter step
+is spent past it, and decoding stays lossless (greedy token-identical to
 target-only; sampled output has the target's distribution, with the negative control failing)."""
 
 import pytest
@@ -99,7 +100,7 @@ def _median_top_prob(runner, proposer, prompts):
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "draft_model", "peagle"])
-def test_chain_ends_at_the_first_unsure_token_and_greedy_is_token_identical(tiny, kind):
+def test_chain_stops_before_the_first_unsure_depth_and_greedy_is_token_identical(tiny, kind):
     target, runner = tiny
     prompts = [_repetitive_prompt(seed=s) for s in range(3)]
     proposer = _make(kind, target, record=True)
@@ -114,12 +115,13 @@ def test_chain_ends_at_the_first_unsure_token_and_greedy_is_token_identical(tiny
         assert res.tokens == ref  # lossless
         for tokens, rows in proposer.rounds:
             probs = [float(row.double().softmax(-1).max()) for row in rows]
-            first_unsure = next((d for d, p in enumerate(probs[:K]) if p < threshold), K - 1)
-            assert len(tokens) == first_unsure + 1, (probs, threshold)
-            if kind != "peagle":  # one drafter step per kept token, none past the stop
-                assert len(rows) == len(tokens)
+            first_unsure = next((d for d, p in enumerate(probs[:K]) if p < threshold), K)
+            assert len(tokens) == first_unsure, (probs, threshold)
+            if kind != "peagle":  # one drafter step per depth up to the unsure one, none past it
+                assert len(rows) == min(len(tokens) + 1, K)
             lengths.append(len(tokens))
-    assert 1 in lengths and K in lengths  # the threshold cut some chains and let others run to K
+    # the threshold emptied some drafts (an unsure first depth) and let others run to K
+    assert 0 in lengths and K in lengths, sorted(set(lengths))
 
 
 def test_stop_below_zero_drafts_k_tokens(tiny):
@@ -227,8 +229,68 @@ def test_sampled_chain_keeps_the_q_it_was_drawn_from(tiny):
     g = torch.Generator().manual_seed(0)
     speculative_generate(runner, proposer, _repetitive_prompt(), 30, sampling,
                          DraftingConfig("chain", K, stop_below=0.005), [], generator=g)
-    assert any(len(d.tokens) < K for d in drafts)
+    assert any(0 < len(d.tokens) < K for d in drafts)
     for d, (tokens, rows) in zip(drafts, proposer.rounds):
-        assert d.q.shape[0] == len(d.tokens) == len(rows)
-        for i, row in enumerate(rows):
+        assert len(rows) == min(len(d.tokens) + 1, K)  # the unsure depth's row was computed, its token not drawn
+        if not d.tokens:
+            continue
+        assert d.q.shape[0] == len(d.tokens)
+        for i, row in enumerate(rows[:len(d.tokens)]):
             torch.testing.assert_close(d.q[i], process_logits(row, sampling))
+
+
+# ---- the rule itself, on scripted drafter rows: a cut in the middle, at the first depth, and none -------------
+
+def _row(top: float, vocab: int = 4, winner: int = 1) -> torch.Tensor:
+    """Logits whose softmax gives `winner` probability `top` and the rest the remainder evenly."""
+    p = torch.full((vocab,), (1 - top) / (vocab - 1), dtype=torch.float64)
+    p[winner] = top
+    return p.log()
+
+
+class _Scripted:
+    """A ModelProposer whose drafter row at depth d is scripted[d - 1] (its own vocab = the target's)."""
+
+    def __new__(cls, rows):
+        from draftsmith.eval.proposers.kit import ModelProposer
+
+        class Scripted(ModelProposer):
+            def __init__(self):
+                self._root_logits, self.expanded = rows[0], 0
+
+            def _expand(self, nodes, tokens, parents, depth):
+                self.expanded += 1
+                return rows[depth][None]
+
+            def _to_target(self, own):
+                return own
+
+            def _q_target(self, probs):
+                return probs
+
+        return Scripted()
+
+
+@pytest.mark.parametrize("tops, kept", [([0.9, 0.8, 0.3, 0.9], 2), ([0.3, 0.9, 0.9, 0.9], 0),
+                                        ([0.9, 0.9, 0.9, 0.9], 4), ([0.9, 0.9, 0.9, 0.49], 3)])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_the_chain_stops_before_the_first_depth_whose_top_probability_is_below(tops, kept, sampled):
+    from draftsmith.eval.proposers.kit import sample_chain
+
+    rows = [_row(t) for t in tops]
+    drafting = DraftingConfig("chain", K, stop_below=0.5)
+    sampling = SamplingConfig(temperature=1.0) if sampled else GREEDY
+    g = torch.Generator().manual_seed(0)
+    proposer = _Scripted(rows)
+    chain = proposer.propose(drafting, sampling, g)  # one drafter row per depth
+    assert len(chain.tokens) == kept and proposer.expanded == min(kept, K - 1)
+    block = sample_chain(torch.stack(rows), torch.arange(4), 4, drafting, sampling, g)  # all K rows at once
+    assert len(block.tokens) == kept and block.parents == list(range(-1, kept - 1))
+    for draft in (chain, block):
+        if not sampled:
+            assert draft.tokens == [1] * kept and draft.q is None
+        elif kept:  # each kept depth carries the q it was drawn from, whatever was drawn
+            assert draft.q.shape[0] == kept
+            torch.testing.assert_close(draft.q.double(), torch.stack(rows[:kept]).softmax(-1))
+        else:
+            assert draft.q is None

@@ -7,15 +7,17 @@ nodes per depth, ranked by cumulative draft log-prob, until `tree_budget` nodes.
 their q is one-hot (None); sampled chains carry the exact q they were drawn from. A model proposer's own KV cache
 holds `max_len` slots (prompt + answer + one tree), and each step attends only to the slots in use.
 
-Dynamic draft length (`drafting.stop_below`, chain mode): the chain ends with its first token whose drafter
-probability is below the threshold (greedy: the softmax of the drafter's logits at its argmax; sampling: q(x)
-of the drawn x), so no drafter step is spent on the tokens after it. Only the length depends on the draft,
-never q, so the accept rule stays exact.
+Dynamic draft length (`drafting.stop_below`, chain mode), llama.cpp's `--spec-draft-p-min` rule: the chain stops
+before its first depth whose drafter is unsure, i.e. whose TOP probability (the largest entry of q after
+temperature / top-k / top-p; greedy: the softmax of the drafter's logits at its argmax) is below the threshold. That
+depth's token is not drafted and no drafter step is spent past it; an unsure first depth gives an empty draft, and
+the cycle is a plain target step. The decision reads q only, never the draw, and the kept depths' q are unchanged,
+so the accept rule stays exact (lossless).
 
 A one-forward drafter computes the K rows of its chain at once, row d independent of the tokens drafted before
 it: `sample_chain` takes each row's argmax (greedy) or one draw from the row's own q (sampling, q returned), and
-cuts the chain after its first token below `drafting.stop_below`; the forward is already paid, so only
-verification width is saved, and the kept rows' q are unchanged (lossless).
+cuts the chain before its first row whose top probability is below `drafting.stop_below`; the forward is already
+paid, so only verification width is saved.
 """
 
 from __future__ import annotations
@@ -51,25 +53,25 @@ class ModelProposer:
         for depth in range(1, drafting.num_speculative_tokens + 1):
             if sample:
                 probs = process_logits(logits[0], sampling)  # (Vo,)
+                if drafting.stops_at(float(probs.max())):  # dynamic draft length: the drafter is unsure here
+                    break
                 own = torch.multinomial(probs.float(), 1, generator=generator)  # (1,) own-vocab id
                 par, score, qs = [frontier[0]], fscore, qs + [self._q_target(probs)]
-                prob = float(probs[own[0]])  # q(x) of the drawn token
             else:
                 lp = logits.double().log_softmax(-1)  # (m, Vo)
                 top = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)  # (m, k') each frontier node's best children
+                if chain and drafting.stops_at(float(top.values[0, 0].exp())):  # dynamic draft length (its argmax)
+                    break
                 cand = (fscore[:, None] + top.values).flatten()  # (m*k',) cumulative score; child j of row i at i*k'+j
                 best = torch.topk(cand, min(k, budget - len(tokens), cand.numel())).indices  # (n,) the kept children
                 own = top.indices.flatten()[best]  # (n,) their own-vocab ids
                 par = [frontier[i] for i in (best // top.values.shape[1]).tolist()]  # flat index // k' = its row
                 score = cand[best]  # (n,)
-                prob = float(top.values.flatten()[best[0]].exp())  # a chain's one child: its softmax probability
             new = list(range(len(tokens), len(tokens) + len(par)))  # this depth's node indices
             tokens += self._to_target(own).tolist()
             parents += par
             self._anc += [(self._anc[p] if p >= 0 else []) + [i] for i, p in zip(new, par)]
             if len(tokens) >= budget or depth == drafting.num_speculative_tokens:
-                break
-            if chain and drafting.stops_at(prob):  # dynamic draft length: no drafter step past an unsure token
                 break
             logits = self._expand(new, tokens, parents, depth)  # (n, Vo): the drafter run on the new nodes
             frontier, fscore = new, score
@@ -96,19 +98,20 @@ def eval_head(head, target_vocab_size: int, method: str):
 def sample_chain(logits: torch.Tensor, draft_ids: torch.Tensor, target_vocab_size: int, drafting: DraftingConfig,
                  sampling: SamplingConfig, generator=None) -> Draft:
     """The chain drafted from k rows of draft logits (k, Vd) computed in one forward (row d drafts depth d+1):
-    argmax or one draw per row, q over the target vocab when sampled, cut by `drafting.stop_below`."""
+    argmax or one draw per row, q over the target vocab when sampled, cut before the first row whose top probability
+    is below `drafting.stop_below` (so possibly empty)."""
     k = drafting.num_speculative_tokens
     if sampling.greedy:
         own = logits.argmax(-1)
         q = None
-        prob = logits.float().softmax(-1).gather(1, own[:, None])[:, 0]  # (k,) each argmax's probability
+        top = logits.float().softmax(-1).max(-1).values  # (k,) each row's top probability (its argmax's)
     else:
         probs = torch.stack([process_logits(row, sampling) for row in logits])  # (k, Vd)
         own = torch.multinomial(probs.float(), 1, generator=generator)[:, 0]
         q = torch.zeros(k, target_vocab_size, dtype=probs.dtype, device=probs.device).index_copy_(1, draft_ids, probs)
-        prob = probs.gather(1, own[:, None])[:, 0]  # (k,) q(x) of each drawn token
-    n = next((d + 1 for d, pr in enumerate(prob.tolist()) if drafting.stops_at(pr)), k)  # dynamic length
-    return Draft(draft_ids[own[:n]].tolist(), list(range(-1, n - 1)), q[:n] if q is not None else None)
+        top = probs.max(-1).values  # (k,) each row's top probability (read before, and apart from, the draw)
+    n = next((d for d, pr in enumerate(top.tolist()) if drafting.stops_at(pr)), k)  # dynamic length
+    return Draft(draft_ids[own[:n]].tolist(), list(range(-1, n - 1)), q[:n] if q is not None and n else None)
 
 
 class OneForwardProposer:
