@@ -145,7 +145,8 @@ def _options(cls, prefix: str = "") -> list[str]:
         if f.name in getattr(cls, "CHOSEN_BY_GROUP", ()):
             subs = [methods()[name].config for name in trainable()]
         else:
-            subs = [sub for sub in (_field_dataclass(cls, f.name),) if sub is not None]
+            sub = _field_dataclass(cls, f.name)
+            subs = [sub] if sub is not None else []
         for sub in subs:
             names += _options(sub, prefix + f.name + ".")
     return list(dict.fromkeys(names))  # each option once

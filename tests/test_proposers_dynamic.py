@@ -15,6 +15,7 @@ from draftsmith.eval.decoder import DraftingConfig, SamplingConfig, speculative_
 from draftsmith.eval.proposers.peagle import PEagleProposer
 from draftsmith.eval.proposers.draft import DraftModelProposer
 from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
+from draftsmith.eval.proposers.kit import ModelProposer, sample_chain
 from draftsmith.eval.target_runner import TargetRunner
 from draftsmith.core.sampling import process_logits
 from test_decoder_greedy import _draft_llama, _eagle_head, _repetitive_prompt
@@ -248,35 +249,27 @@ def _row(top: float, vocab: int = 4, winner: int = 1) -> torch.Tensor:
     return p.log()
 
 
-class _Scripted:
-    """A ModelProposer whose drafter row at depth d is scripted[d - 1] (its own vocab = the target's)."""
+class _Scripted(ModelProposer):
+    """A ModelProposer whose drafter row at depth d is rows[d - 1] (its own vocab = the target's)."""
 
-    def __new__(cls, rows):
-        from draftsmith.eval.proposers.kit import ModelProposer
+    def __init__(self, rows):
+        self.rows, self._root_logits, self.expanded = rows, rows[0], 0
 
-        class Scripted(ModelProposer):
-            def __init__(self):
-                self._root_logits, self.expanded = rows[0], 0
+    def _expand(self, nodes, tokens, parents, depth):
+        self.expanded += 1
+        return self.rows[depth][None]
 
-            def _expand(self, nodes, tokens, parents, depth):
-                self.expanded += 1
-                return rows[depth][None]
+    def _to_target(self, own):
+        return own
 
-            def _to_target(self, own):
-                return own
-
-            def _q_target(self, probs):
-                return probs
-
-        return Scripted()
+    def _q_target(self, probs):
+        return probs
 
 
 @pytest.mark.parametrize("tops, kept", [([0.9, 0.8, 0.3, 0.9], 2), ([0.3, 0.9, 0.9, 0.9], 0),
                                         ([0.9, 0.9, 0.9, 0.9], 4), ([0.9, 0.9, 0.9, 0.49], 3)])
 @pytest.mark.parametrize("sampled", [False, True])
 def test_the_chain_stops_before_the_first_depth_whose_top_probability_is_below(tops, kept, sampled):
-    from draftsmith.eval.proposers.kit import sample_chain
-
     rows = [_row(t) for t in tops]
     drafting = DraftingConfig("chain", K, stop_below=0.5)
     sampling = SamplingConfig(temperature=1.0) if sampled else GREEDY
