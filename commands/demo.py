@@ -9,7 +9,8 @@
 Sizing (flavour smollm2): a calibration run of the same three stages (out/calibration/: one data-gen batch, a
 few training steps, one short eval) measures this machine's rates; `plan_sizes` then picks the training prompts
 and steps (two epochs) that end the whole demo within budget_min, prints the plan with the measured rates and
-saves it in out/plan.json (a rerun with the same settings reuses it, so its stages are skipped or resumed).
+saves it in out/plan.json (a rerun with the same settings reuses it, so its stages are skipped or resumed). Once
+data-gen has run, `resize_training` re-sizes the training steps to the time really left (1 to 4 epochs).
 
 Stages and their folders under `out/`:
   data/  `draftsmith data-gen prompts=self hidden_states=true`: the target writes n_prompts + eval_prompts
@@ -55,7 +56,7 @@ from draftsmith.train.run import run as train_run
 # train_steps are only the values the plan starts from.
 SMOLLM2 = dict(target="smollm2", n_prompts=480, max_prompt_tokens=64, eval_prompts=10, gen_max_new_tokens=128,
                train_steps=960, lr=3e-3, draft_vocab_size=8192, max_length=384, train_precision="auto",
-               train_mode="offline", gen_batch_size=32, eval_max_new_tokens=96, repeats=1)
+               train_mode="offline", gen_batch_size=64, eval_max_new_tokens=96, repeats=1)
 FLAVOURS = {
     # The default: the sizes below scaled to fit budget_min on this machine, from rates measured by a
     # calibration run of the same three stages (out/calibration/) at the start. Two epochs over the data (the
@@ -200,12 +201,17 @@ def _run_stage(stage: str, overrides: list[str]) -> dict:
     return runner(compose(stage, overrides))
 
 
-def run_stages(cfg, s: dict, out: Path) -> dict:
-    """Run (or skip / resume) the three stages with sizes `s` into `out`; returns seconds, skips and the report."""
-    plan = stage_overrides(cfg, s, out)
+def run_stages(cfg, s: dict, out: Path, before_train=None) -> dict:
+    """Run (or skip / resume) the three stages with sizes `s` into `out`; returns seconds, skips, the sizes the
+    stages ran with and the report. `before_train(s, data_gen_ran)`, if given, returns the sizes training and eval
+    run with (the budget re-sizes the training once data-gen's real time is known)."""
     result: dict = {"seconds": {}, "skipped": []}
     upstream_ran = False
-    for stage, overrides in plan.items():
+    for stage in FOLDERS:
+        if stage == "train" and before_train is not None:
+            s = before_train(s, upstream_ran)
+        overrides = stage_overrides(cfg, s, out)[stage]
+        stamp_overrides = overrides
         if not upstream_ran and _done(out, stage, overrides):
             result["skipped"].append(stage)
             continue
@@ -221,7 +227,8 @@ def run_stages(cfg, s: dict, out: Path) -> dict:
         result["seconds"][stage] = round(time.perf_counter() - t0, 1)
         if stage == "train":
             result["train"] = {"steps": done.get("steps"), "val": done.get("val")}
-        atomic_write_json(out / f"{stage}.done.json", {"overrides": plan[stage], "seconds": result["seconds"][stage]})
+        atomic_write_json(out / f"{stage}.done.json", {"overrides": stamp_overrides, "seconds": result["seconds"][stage]})
+    result["sizes"] = s
     result["report"] = json.loads((out / "eval" / "report.json").read_text())
     return result
 
@@ -254,7 +261,18 @@ def run(cfg: DemoConfig) -> dict:
     if s["budget"]:
         plan = budget_plan(cfg, s, out, t_all)
         s = dict(s, n_prompts=plan["n_prompts"], train_steps=plan["train_steps"])
-    result = {"out": str(out), "flavour": cfg.flavour, "sizes": s, **run_stages(cfg, s, out)}
+
+    def before_train(s: dict, data_gen_ran: bool) -> dict:
+        """A budgeted demo re-sizes its training to the time data-gen left (a rerun that skipped data-gen keeps
+        the steps its plan.json saved)."""
+        if plan is None or not data_gen_ran:
+            return s
+        plan.update(resize_training(plan, cfg.budget_min * 60.0, time.perf_counter() - t_all))
+        atomic_write_json(out / PLAN, {"key": plan_key(cfg, sizes(cfg)),
+                                       "plan": {k: v for k, v in plan.items() if k != "calibrated_now"}})
+        print(resized_text(plan), file=sys.stderr)
+        return dict(s, train_steps=plan["train_steps"])
+    result = {"out": str(out), "flavour": cfg.flavour, **run_stages(cfg, s, out, before_train)}
     if plan is not None:
         result["plan"] = plan
         result["seconds"] = {"calibration": plan["calibration_s"] if plan["calibrated_now"] else 0.0,
@@ -297,6 +315,11 @@ def measured_rates(calib: dict, calib_out: Path, cs: dict, load_s: float) -> Rat
     r = calib["report"]
     decoders = [r["target_only_tokens_per_s"], r["speculative_tokens_per_s"]]
     decoders += [b["tokens_per_s"] for b in (r.get("baselines") or {}).values() if b.get("tokens_per_s")]
+    # llama.cpp's runs decode the same tokens again (target-only and each drafter); counted as fixed, they made
+    # the eval estimate 170 s where eval took 356 s (2-core Xeon, 2026-12-05)
+    e = r.get("llamacpp") or {}
+    decoders += [x for x in [e.get("target_only_tokens_per_s")] + [run.get("speculative_tokens_per_s") for run in
+                 (e.get("runs") or {}).values()] if x]
     per_token = sum(1.0 / max(tps, 1e-6) for tps in decoders) * cs["repeats"]
     decoded = cs["eval_prompts"] * cs["eval_max_new_tokens"]
     # The load is timed apart from the stage: on a busy machine (a test suite on both cores) it measured longer than
@@ -337,6 +360,40 @@ def plan_sizes(s: dict, budget_s: float, spent_s: float, rates: Rates, margin: f
             "fits": total_s <= budget_s, "rates": {k: round(v, 4) for k, v in vars(rates).items()}}
 
 
+MAX_EPOCHS = 4  # the most passes over the data a re-sized training makes
+
+
+def resize_training(plan: dict, budget_s: float, elapsed_s: float, margin: float = 0.08) -> dict:
+    """The plan's training steps re-sized to what is left of `budget_s` once data-gen has run (pure).
+
+    Data-gen's real time replaces its estimate, the least certain of the plan: the calibration's one batch measured
+    1.6 and 1.0 s/sample in two runs on one idle 2-core Xeon where the whole data-gen then took 0.98 and 0.88
+    (2026-12-05), and the second demo overran its 20 minutes. Steps stay between one and MAX_EPOCHS epochs over
+    the planned prompts (or the plan's own steps, if fewer); below one epoch the head would not see its data, so
+    the plan then says it overruns."""
+    r, e, n = plan["rates"], dict(plan["estimate_s"]), plan["n_prompts"]
+    left_s = budget_s * (1.0 - margin) - elapsed_s - e["eval"] - r["train_fixed_s"]
+    planned = plan.get("resized", {}).get("planned_steps", plan["train_steps"])
+    steps = int(min(max(left_s / r["train_step_s"], min(n, planned)), MAX_EPOCHS * n))
+    e["train"] = round(r["train_fixed_s"] + r["train_step_s"] * steps, 1)
+    e["total"] = round(elapsed_s + e["train"] + e["eval"], 1)
+    return {"train_steps": steps, "estimate_s": e, "fits": e["total"] <= budget_s,
+            "resized": {"data_gen_end_s": round(elapsed_s, 1),
+                        "data_gen_end_estimate_s": round(e["spent"] + e["data_gen"], 1),
+                        "planned_steps": planned, "epochs": round(steps / n, 3)}}
+
+
+def resized_text(plan: dict) -> str:
+    """The line the demo prints when it re-sizes the training."""
+    z = plan["resized"]
+    text = (f"demo: data-gen ended at {z['data_gen_end_s'] / 60:.1f} min (planned {z['data_gen_end_estimate_s'] / 60:.1f}); "
+            f"training re-sized from {z['planned_steps']} to {plan['train_steps']} steps ({z['epochs']:g} epochs), "
+            f"estimated end {plan['estimate_s']['total'] / 60:.1f} min")
+    if not plan["fits"]:
+        text += f": over the {plan['budget_s'] / 60:g}-minute budget even with one epoch"
+    return text + "."
+
+
 def plan_text(plan: dict) -> str:
     """The plan as the lines the demo prints before its long stages."""
     r, e = plan["rates"], plan["estimate_s"]
@@ -353,10 +410,15 @@ def plan_text(plan: dict) -> str:
     return "\n".join(lines)
 
 
+def plan_key(cfg, s: dict) -> dict:
+    """What a saved plan was made for: a rerun with the same key reuses it."""
+    return {"sizes": s, "budget_min": cfg.budget_min, "seed": cfg.seed,
+            "num_speculative_tokens": cfg.num_speculative_tokens}
+
+
 def budget_plan(cfg, s: dict, out: Path, t_start: float) -> dict:
     """Calibrate (or reuse the plan a previous run of these settings saved), then size the demo to the budget."""
-    key = {"sizes": s, "budget_min": cfg.budget_min, "seed": cfg.seed,
-           "num_speculative_tokens": cfg.num_speculative_tokens}
+    key = plan_key(cfg, s)
     try:
         saved = json.loads((out / PLAN).read_text())
     except (OSError, ValueError):
@@ -431,8 +493,9 @@ def summary(result: dict) -> str:
     lines += llamacpp_summary(r, result["sizes"]["target"])
     if result.get("plan"):
         p = result["plan"]
-        lines.append(f"  sized to {p['budget_s'] / 60:.0f} min: {p['n_prompts']} training prompts, {p['train_steps']} steps "
-                     f"(estimated {p['estimate_s']['total'] / 60:.1f} min; plan in {Path(result['out']) / PLAN})")
+        resized = f", re-sized from {p['resized']['planned_steps']} after data-gen" if p.get("resized") else ""
+        lines.append(f"  sized to {p['budget_s'] / 60:.0f} min: {p['n_prompts']} training prompts, {p['train_steps']} steps"
+                     f"{resized} (estimated {p['estimate_s']['total'] / 60:.1f} min; plan in {Path(result['out']) / PLAN})")
     secs = ", ".join(f"{k} {v:.0f} s" for k, v in result["seconds"].items())
     skipped = f" (skipped, already complete: {', '.join(result['skipped'])})" if result["skipped"] else ""
     lines.append(f"  time: {secs}{skipped}")

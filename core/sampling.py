@@ -44,12 +44,37 @@ def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tens
         kth = torch.topk(x, sampling.top_k, dim=-1).values[..., -1:]  # (..., 1)
         x = x.masked_fill(x < kth, float("-inf"))
     if sampling.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        p = sorted_x.softmax(-1)
-        drop = p.cumsum(-1) - p >= sampling.top_p  # the tokens before it already reach top_p
-        drop[..., 0] = False  # the most probable token always stays
-        x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        x = x.masked_fill(top_p_drop(x, sampling.top_p), float("-inf"))
     return x.softmax(-1)
+
+
+# The most probable tokens top_p_drop looks at first, then for the rows they do not settle. A full sort of a
+# 49k-token row is what it avoids: on 64 rows it cost 135 ms, most of a sampled data-gen step (2-core Xeon,
+# 2026-12-05), while SmolLM2's nucleus at T = 1, top_p 0.95 held a median 71 tokens (90th percentile 1188).
+TOP_P_CANDIDATES = (256, 4096)
+
+
+def top_p_drop(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """(..., V) True where top-p drops a token of the logits `x`: sorted by probability, a token goes when the
+    tokens before it already reach top_p. A row is settled from its k most probable tokens once their
+    probabilities reach top_p (every token past them is then dropped); only the rows the candidates do not
+    settle look further, the last step being the whole row."""
+    shape, V = x.shape, x.shape[-1]
+    p = x.reshape(-1, V).softmax(-1)
+    drop = torch.ones(p.shape, dtype=torch.bool, device=p.device)
+    rows = torch.arange(p.shape[0], device=p.device)
+    for k in (*[c for c in TOP_P_CANDIDATES if c < V], V):
+        probs, order = p[rows].topk(k, dim=-1)  # descending
+        before = probs.cumsum(-1) - probs  # mass of the tokens before each one
+        settled = before[:, -1] + probs[:, -1] >= top_p if k < V else torch.ones_like(rows, dtype=torch.bool)
+        keep = before < top_p
+        keep[:, 0] = True  # the most probable token always stays
+        done = rows[settled]
+        drop[done] = drop[done].scatter(-1, order[settled], ~keep[settled])
+        rows = rows[~settled]
+        if len(rows) == 0:
+            break
+    return drop.view(shape)
 
 
 def hash_seed(seed: int, *parts) -> int:

