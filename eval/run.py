@@ -38,7 +38,7 @@ from draftsmith.eval.engine_vllm import engine_report
 from draftsmith.eval.prompts import EvalPrompt, load_prompts, render
 from draftsmith.eval.proposers.ngram import NGRAM_ENGINES, NgramFirstProposer, NgramProposer
 from draftsmith.eval.report import hardware, software_versions, summary_lines, write_report
-from draftsmith.eval.target_runner import TargetRunner
+from draftsmith.eval.target_runner import TargetRunner, divergence
 from draftsmith.heads.folders import weights_sha256
 from draftsmith.configs import check_config
 from draftsmith.core.methods import Method, method_for_folder, read_folder_config
@@ -322,36 +322,15 @@ def decode_all(setup: Setup, proposers: dict[str, Optional[Proposer]], drafter: 
                 if setup.sampling.greedy and m != TARGET_ONLY:
                     s.identical = runs[m][0][turn].tokens == runs[TARGET_ONLY][0][turn].tokens
                     if not s.identical:
+                        ref, other = runs[TARGET_ONLY][0][turn], runs[m][0][turn]
                         s.divergence = {"prompt": prompt.id, "turn": turn,
-                                        **divergence(setup.runner, runs[TARGET_ONLY][0][turn], runs[m][0][turn])}
+                                        **divergence(setup.runner, ref.prompt_ids, ref.tokens, other.tokens)}
                 samples[m].append(s)
         if "hf_generate" in hf_samples:
             hf_samples["hf_generate"] += hf_generate_sample(model, tok, prompt, cfg, eos)
         if "hf_assisted" in hf_samples:
             hf_samples["hf_assisted"] += hf_generate_sample(model, tok, prompt, cfg, eos, drafter.model)
     return samples, hf_samples
-
-
-def divergence(runner: TargetRunner, reference: GenerationResult, other: GenerationResult) -> dict:
-    """Where `other` first leaves `reference` (target-only greedy), and the target's top-2 margin there.
-
-    The target is run once more over the prompt and the common prefix; in fp32 a divergence is a decoder
-    error, in bf16 it is usually a near-tie whose winner depends on the pass's shape (1 token or K+1)."""
-    a, b = reference.tokens, other.tokens
-    i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    ids = torch.tensor(reference.prompt_ids + a[:i], device=runner.device)
-    if ids.numel() > runner.max_len:  # cannot happen with eval's own max_len; say so rather than crash
-        return {"position": i, "margin": float("inf"), "note": "longer than the cache"}
-    runner.reset()
-    logits, _ = runner.forward(ids, torch.arange(ids.numel(), device=runner.device), 0, logits_rows="last")
-    runner.reset()
-    row = logits[0].float()
-    top = torch.topk(row, 2)
-    out = {"position": i, "target_token": a[i] if i < len(a) else None, "other_token": b[i] if i < len(b) else None,
-           "margin": float(top.values[0] - top.values[1]), "top2": top.indices.tolist()}
-    if out["other_token"] is not None:
-        out["other_rank"] = int((row > row[out["other_token"]]).sum())  # 0 = the target's argmax here
-    return out
 
 
 def cost_report(setup: Setup, drafter: Drafter, samples: dict[str, list[metrics.Sample]], report: dict) -> dict:

@@ -244,3 +244,26 @@ class TargetRunner:
         dst = slice(dst_start, dst_start + len(src_slots))
         self.kv.k[:, :, :, dst] = self.kv.k[:, :, :, src]
         self.kv.v[:, :, :, dst] = self.kv.v[:, :, :, src]
+
+
+def divergence(runner: TargetRunner, prompt_ids: list[int], reference: list[int], other: list[int]) -> dict:
+    """Where greedy output `other` first leaves `reference` (target-only), and the target's top-2 margin there.
+
+    The target is run once more over the prompt and the common prefix. A divergence where the margin is wide is a
+    decoder error; at a near-tie it is numerics that depend on the pass's shape (one token or K+1): bf16 in the
+    built-in decoder, or another engine's kernels (llama.cpp's F32 matmul differs between 1 and K+1 rows)."""
+    i = next((j for j, (x, y) in enumerate(zip(reference, other)) if x != y), min(len(reference), len(other)))
+    ids = torch.tensor(list(prompt_ids) + list(reference[:i]), device=runner.device)
+    if ids.numel() > runner.max_len:  # cannot happen with eval's own max_len; say so rather than crash
+        return {"position": i, "margin": float("inf"), "note": "longer than the cache"}
+    runner.reset()
+    logits, _ = runner.forward(ids, torch.arange(ids.numel(), device=runner.device), 0, logits_rows="last")
+    runner.reset()
+    row = logits[0].float()
+    top = torch.topk(row, 2)
+    out = {"position": i, "target_token": reference[i] if i < len(reference) else None,
+           "other_token": other[i] if i < len(other) else None,
+           "margin": float(top.values[0] - top.values[1]), "top2": top.indices.tolist()}
+    if out["other_token"] is not None:
+        out["other_rank"] = int((row > row[out["other_token"]]).sum())  # 0 = the target's argmax here
+    return out

@@ -103,15 +103,33 @@ def made_once(path: Path, make) -> Path:
     from filelock import FileLock
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
     with FileLock(f"{path}.lock"):
         done = Path(f"{path}.done")
+        waited = time.perf_counter() - t0
         if not done.exists():
             if path.is_dir():
                 shutil.rmtree(path)
             path.unlink(missing_ok=True)
             make(path)
             done.touch()
+            log_made(path, "made", time.perf_counter() - t0 - waited)
+        elif waited > 1:  # this worker sat idle while another made it
+            log_made(path, "waited for", waited)
     return path
+
+
+def log_made(path: Path, what: str, seconds: float) -> None:
+    """One line of the summary's "made once" section (pytest_terminal_summary), in the run's base temp."""
+    from filelock import FileLock
+
+    log_path = path.parent.parent / MADE_ONCE_LOG
+    with FileLock(f"{log_path}.lock"), open(log_path, "a") as log:
+        log.write(json.dumps({"what": what, "name": f"{path.parent.name}/{path.name}", "seconds": seconds,
+                              "worker": os.environ.get("PYTEST_XDIST_WORKER", "-")}) + "\n")
+
+
+MADE_ONCE_LOG = "made-once.jsonl"  # in the run's base temp: shared_path's parent
 
 
 @pytest.fixture(scope="session")
@@ -273,3 +291,9 @@ def pytest_terminal_summary(terminalreporter):
         tr.write_line(f"{seconds:8.1f} s  {name}")
     tr.write_line(f"{sum(_module_seconds.values()):8.1f} s  in tests (summed over {workers or 1} worker(s)), "
                   f"{total:.1f} s since the session started")
+    log = terminalreporter.config._tmp_path_factory.getbasetemp() / MADE_ONCE_LOG
+    if log.is_file():  # what the engine modules share, counted in the module that asked first
+        tr.section("made once per run and shared (data-gen, heads, built-in readings), and the waits for them")
+        for line in log.read_text().splitlines():
+            m = json.loads(line)
+            tr.write_line(f"{m['seconds']:8.1f} s  {m['worker']} {m['what']} {m['name']}")

@@ -9,9 +9,11 @@ beside it. One llama-server per run (about a second to start). llama.cpp is buil
 --engine`; without it these tests skip with the sentence that says so, and fail where DRAFTSMITH_REQUIRE_ENGINE=1.
 
 What is asserted, for each GGUF export: llama.cpp's output is token-identical to llama.cpp target-only and to
-draftsmith's target-only; llama.cpp's τ and per-position acceptance (its counters, pooled over every
-verification with a draft) equal the built-in decoder's counted the same way within TOLERANCE (0.02). A broken
-copy (d2t zeroed, aux layers shifted) must fail the τ check.
+draftsmith's target-only, or leaves it only at a near-tie (the target's top-2 logits closer than FP32_NEAR_TIE
+there: llama.cpp is not batch-invariant, its F32 kernels sum K+1 rows in another order than one, and a
+verification flipped a 0.0067-logit tie on 2026-12-05); llama.cpp's τ and per-position acceptance (its counters,
+pooled over every verification with a draft of the prompts left identical) equal the built-in decoder's counted the
+same way within TOLERANCE (0.02). A broken copy (d2t zeroed, aux layers shifted) must fail the τ check.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from draftsmith.configs import compose
 from draftsmith.data_gen.target import smollm2_gguf_path
 from draftsmith.eval import engine_llamacpp as ll
 from draftsmith.eval import run as ev
-from draftsmith.eval.engine_vllm import TARGET_ONLY, TOLERANCE, agreement, figures
+from draftsmith.eval.engine_vllm import TARGET_ONLY, figures
+from draftsmith.eval.target_runner import TargetRunner
 from draftsmith.export import run as export
 from draftsmith.core.methods import methods
 
@@ -40,6 +43,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(3600)]
 
 K = ENGINE_K
 MAX_TOKENS = 48
+FP32_NEAR_TIE = 0.05  # logits: a divergence of an F32 llama.cpp from F32 target-only is a near-tie below this
+Q4_NEAR_TIE = 0.25  # on the Q4_1 file llama.cpp also rounds the activations to 8 bits (eval's bf16 default)
 COMMON = ["target=smollm2", "target.dtype=float32"]
 HEADS = ("eagle3", "draft")  # the methods llama.cpp serves from our folders
 BROKEN = ("eagle3_d2t_zeroed", "eagle3_aux_layers_shifted")
@@ -103,40 +108,64 @@ def measured(builtin_samples, ggufs):
     return samples, runs
 
 
-def test_f32_target_only_identical_to_builtin(measured):
+@pytest.fixture(scope="module")
+def lossless(measured, smollm2_target):
+    """lossless(reference, got, eps, record) asserts every prompt's greedy output `got` equals `reference` or first
+    leaves it at a near-tie of the built-in fp32 target (top-2 margin below eps); the divergences go to `record`."""
+    samples, _ = measured
+    prompts = [s.prompt_ids for s in samples[TARGET_ONLY]]
+    runner = TargetRunner(smollm2_target.model, max(len(p) for p in prompts) + MAX_TOKENS + 8)
+
+    def check(reference: list[list[int]], got: list[list[int]], eps: float, record) -> None:
+        found = ll.divergences(runner, prompts, reference, got)
+        record("divergences", found)
+        assert all(d["margin"] < eps for d in found), found
+
+    return check
+
+
+def test_f32_target_only_identical_to_builtin(measured, lossless, record_property):
     samples, runs = measured
-    assert runs[TARGET_ONLY]["tokens"] == [s.tokens for s in samples[TARGET_ONLY]]
+    lossless([s.tokens for s in samples[TARGET_ONLY]], runs[TARGET_ONLY]["tokens"], FP32_NEAR_TIE, record_property)
+
+
+def agreement(samples, runs: dict, name: str) -> dict:
+    """The built-in τ against llama.cpp's over the prompts its run left identical to its target-only output."""
+    agree = ll.agreement_where_identical(samples, runs[name], runs[TARGET_ONLY]["tokens"], K)
+    assert 2 * int(agree["prompts_compared"].split("/")[0]) >= len(samples), agree  # most prompts compared
+    return agree
 
 
 @pytest.mark.parametrize("name", HEADS)
-def test_gguf_export_in_llamacpp(measured, name, record_property):
-    """Loads, greedy output identical to target-only, τ and per-position acceptance equal to the built-in's."""
+def test_gguf_export_in_llamacpp(measured, lossless, name, record_property):
+    """Loads, greedy output identical to target-only (up to F32 near-ties), τ and per-position acceptance equal to
+    the built-in's."""
     samples, runs = measured
-    run = runs[name]
-    assert run["tokens"] == runs[TARGET_ONLY]["tokens"] == [s.tokens for s in samples[TARGET_ONLY]]
-    agree = agreement(samples[name], run, K)
+    lossless(runs[TARGET_ONLY]["tokens"], runs[name]["tokens"], FP32_NEAR_TIE, record_property)
+    agree = agreement(samples[name], runs, name)
     record_property("tau_llamacpp_builtin", [round(agree["tau_engine"], 4), round(agree["tau_builtin"], 4)])
     assert agree["equal"], agree
     assert agree["per_position_engine"][0] > 0.2, agree  # a trained head: drafts are accepted, the check means something
 
 
 @pytest.mark.parametrize("name", BROKEN)
-def test_broken_gguf_fails_tau_equality(measured, name, record_property):
+def test_broken_gguf_fails_tau_equality(measured, lossless, name, record_property):
     """Negative controls: llama.cpp loads each broken copy, still lossless, and its τ no longer equals the built-in's."""
     samples, runs = measured
-    assert runs[name]["tokens"] == runs[TARGET_ONLY]["tokens"]
-    agree = agreement(samples["eagle3"], runs[name], K)
+    lossless(runs[TARGET_ONLY]["tokens"], runs[name]["tokens"], FP32_NEAR_TIE, record_property)
+    agree = agreement(samples["eagle3"], runs, name)
     record_property("tau_llamacpp_builtin", [round(agree["tau_engine"], 4), round(agree["tau_builtin"], 4)])
     assert not agree["equal"], agree
 
 
-def test_q4_1_target_lossless_and_its_tau_reported(measured, record_property):
+def test_q4_1_target_lossless_and_its_tau_reported(measured, lossless, record_property):
     """On the Q4_1 file itself llama.cpp computes another function (quantised blocks): lossless against its own
-    target-only decode; the τ difference from the built-in decoder (on the dequantised weights) is reported."""
+    target-only decode (up to near-ties); the τ difference from the built-in decoder (on the dequantised weights) is
+    reported."""
     samples, runs = measured
-    assert runs["q4_1_eagle3"]["tokens"] == runs["q4_1_target_only"]["tokens"]
+    lossless(runs["q4_1_target_only"]["tokens"], runs["q4_1_eagle3"]["tokens"], Q4_NEAR_TIE, record_property)
     tau_q4 = figures(runs["q4_1_eagle3"]["counters"])["tau"]
-    tau_builtin = agreement(samples["eagle3"], runs["eagle3"], K)["tau_builtin"]
+    tau_builtin = agreement(samples["eagle3"], runs, "eagle3")["tau_builtin"]
     record_property("q4_1_tau_minus_builtin", round(tau_q4 - tau_builtin, 4))
     assert tau_q4 > 1.2, (tau_q4, tau_builtin)  # the head drafts for the quantised target too
 
@@ -150,10 +179,11 @@ def test_eval_engine_llamacpp(engine_data, engine_head, llamacpp_ready, tmp_path
                                               "cost_repeats=1", "progress=false",
                                               "plot=false", f"drafting.num_speculative_tokens={K}", f"out={tmp_path}"]))
     e = report["llamacpp"]
-    assert e["target_only_identical_to_builtin"] == 1.0 and e["same_function_as_builtin"]
+    assert e["same_function_as_builtin"] and all(d["margin"] < FP32_NEAR_TIE for d in e["target_only_divergences"])
     assert set(e["runs"]) == {"eagle3", "ngram", "ngram+eagle3"}
-    for name, run in e["runs"].items():
-        assert run["greedy_identical_to_engine_target_only"] == 1.0, name
+    for name, run in e["runs"].items():  # identical, or a near-tie (FP32_NEAR_TIE, above) where it leaves
+        assert all(d["margin"] < FP32_NEAR_TIE for d in run["divergences"]), (name, run["divergences"])
+        assert run["greedy_identical_up_to_near_ties"] == 1.0, name
     assert e["runs"]["eagle3"]["agreement"]["equal"], e["runs"]["eagle3"]["agreement"]
     assert e["runs"]["ngram+eagle3"]["counters"]["num_drafts"] > 0
     rec = report["recommendation"]

@@ -10,8 +10,8 @@ from draftsmith.core import machine
 from draftsmith.configs import compose
 from draftsmith.eval import metrics
 from draftsmith.eval.decoder import DraftingConfig, speculative_generate
-from draftsmith.eval.run import divergence, run
-from draftsmith.eval.target_runner import TargetRunner
+from draftsmith.eval.run import run
+from draftsmith.eval.target_runner import TargetRunner, divergence
 from draftsmith.core.sampling import SamplingConfig
 
 
@@ -74,7 +74,7 @@ def test_divergence_reports_the_targets_top2_margin(tiny_target):
     ref = speculative_generate(runner, None, prompt, 10, SamplingConfig(), DraftingConfig(), eos_token_ids=[])
     other = speculative_generate(runner, None, prompt, 10, SamplingConfig(), DraftingConfig(), eos_token_ids=[])
     other.tokens = ref.tokens[:4] + [(ref.tokens[4] + 1) % tiny_target.vocab_size] + ref.tokens[5:]
-    d = divergence(runner, ref, other)
+    d = divergence(runner, ref.prompt_ids, ref.tokens, other.tokens)
     with torch.no_grad():  # the margin, recomputed by transformers' own forward
         logits = model(torch.tensor([prompt.tolist() + ref.tokens[:4]])).logits[0, -1]
     top = torch.topk(logits, 2).values
