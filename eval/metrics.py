@@ -78,7 +78,7 @@ class Sample:
     # tokens each verification emitted, bonus included (tau counts them); None = one each (target-only)
     emitted_per_verification: Optional[list[int]] = None
     identical: Optional[bool] = None  # greedy: same tokens as target-only decoding
-    # greedy, not identical: where the two first differ and the target's top-2 logit margin there (run.divergence)
+    # greedy, not identical: where the two first differ and the target's top-2 logit margin there (target_runner.divergence)
     divergence: Optional[dict] = None
     draft_seconds: float = 0.0  # median over repeats of the seconds spent in the proposer (the cost model's t_draft)
     draft_sizes: list[int] = field(default_factory=list)  # draft nodes per verification (first run)

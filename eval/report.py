@@ -197,8 +197,12 @@ def llamacpp_lines(report: dict) -> list[str]:
                      f"{' / '.join(_f(x, 3) for x in r['per_position_acceptance'])} | {ours} | {eq} | "
                      f"{_f(r['greedy_identical_to_engine_target_only'])} | "
                      f"{_opt(r.get('greedy_identical_up_to_near_ties'))} | {_f(r['speedup'])}x | {sb} |")
-    for d in e.get("target_only_divergences", []) + [d | {"run": n} for n, r in e["runs"].items()
-                                                     for d in r.get("divergences", [])]:
+    found = e.get("target_only_divergences", []) + [d | {"run": n} for n, r in e["runs"].items()
+                                                   for d in r.get("divergences", [])]
+    if found:
+        expected = "" if e.get("same_function_as_builtin", True) else " (a quantised target: expected)"
+        lines += ["", f"Where an output leaves its target-only reference{expected}:", ""]
+    for d in found:
         lines.append(f"- {d.get('run', 'target-only vs built-in')}: prompt {d['prompt']} leaves at token "
                      f"{d['position']}, top-2 margin {_f(d['margin'], 4)}")
     return lines

@@ -477,3 +477,31 @@ def test_report_reads_a_quantised_targets_agreement_as_a_reading_not_a_check():
     section["same_function_as_builtin"] = True  # the F32 conversion: a miss is a defect, in bold
     row = next(line for line in llamacpp_lines({"llamacpp": section}) if line.startswith("| eagle3 "))
     assert "**no** (0.02)" in row
+
+
+def test_divergences_are_counted_up_to_near_ties_and_leave_the_agreement():
+    """A run that left target-only on one prompt: near-tie or not by its margin, listed in report.md, and the τ
+    agreement pooled over the other prompts only (their counters and their built-in samples)."""
+    from draftsmith.eval.metrics import Sample
+    from draftsmith.eval.report import llamacpp_lines
+
+    divergences = [{"prompt": 1, "position": 3, "margin": 0.1}]
+    assert ll.up_to_near_ties(divergences, 4, 0.25) == 1.0 and ll.up_to_near_ties(divergences, 4, 0.05) == 0.75
+    c = lambda drafts, acc: {"num_drafts": drafts, "num_draft_tokens": 3 * drafts,  # noqa: E731
+                             "num_accepted_tokens": acc, "num_accepted_tokens_per_pos": [acc, 0, 0]}
+    got = {"tokens": [[1, 2], [1, 9]], "per_prompt_counters": [c(2, 2), c(2, 0)]}
+    builtin = [Sample("c", 2, 2, 1.0, accepted=[2, 0, 0], proposed=[2, 2, 2], draft_sizes=[3, 3]),
+               Sample("c", 2, 2, 1.0, accepted=[2, 0, 0], proposed=[2, 2, 2], draft_sizes=[3, 3])]
+    agree = ll.agreement_where_identical(builtin, got, [[1, 2], [1, 2]], 3)
+    assert agree["prompts_compared"] == "1/2" and agree["equal"], agree  # prompt 1 (τ 1.0 there) left out
+    assert not ll.agreement(builtin, {"counters": ll.pooled(got["per_prompt_counters"])}, 3)["equal"]
+    section = {"version": "v", "target": "/m/t.gguf", "target_weights": "f32", "threads": 2, "counting": "c",
+               "target_only_identical_to_builtin": 1.0, "target_only_tokens_per_s": 100.0, "near_tie_eps": 0.25,
+               "target_only_divergences": [],
+               "runs": {"eagle3": {"tau": 2.0, "per_position_acceptance": [1.0, 0, 0], "speedup": 1.1,
+                                   "greedy_identical_to_engine_target_only": 0.5,
+                                   "greedy_identical_up_to_near_ties": 1.0,
+                                   "divergences": divergences}}}
+    lines = llamacpp_lines({"llamacpp": section})
+    assert "- eagle3: prompt 1 leaves at token 3, top-2 margin 0.1000" in lines
+    assert next(line for line in lines if line.startswith("| eagle3 ")).count("| 0.50 | 1.00 |") == 1
