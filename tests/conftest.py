@@ -97,6 +97,9 @@ def shared_path(tmp_path_factory, name: str) -> Path:
     return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
 
 
+MADE_ONCE_LOG = "made-once.jsonl"  # made_once's timings, in the run's base temp (shared_path's parent)
+
+
 def made_once(path: Path, make) -> Path:
     """`path`, made by `make(path)` once per test run: the first worker to ask makes it while the others wait on its
     lock, then read it. A make that failed leaves no `.done`: the next to ask starts again from nothing."""
@@ -127,9 +130,6 @@ def log_made(path: Path, what: str, seconds: float) -> None:
     with FileLock(f"{log_path}.lock"), open(log_path, "a") as log:
         log.write(json.dumps({"what": what, "name": f"{path.parent.name}/{path.name}", "seconds": seconds,
                               "worker": os.environ.get("PYTEST_XDIST_WORKER", "-")}) + "\n")
-
-
-MADE_ONCE_LOG = "made-once.jsonl"  # in the run's base temp: shared_path's parent
 
 
 @pytest.fixture(scope="session")
