@@ -118,8 +118,12 @@ def prefill_group(model, cache: RowCache, rows: list[int], prompts: list[list[in
     input_ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts], device=device)
     attn = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts], device=device)
     alone = DynamicCache()  # no config: full layers, every token kept (check_window guards the mask)
+    # The last position as an index tensor, not logits_to_keep=1: the int slices the hidden states into a
+    # non-contiguous (B, 1, H) view, and torch 2.13's CPU linear on such a view copies the lm_head weight once per
+    # row (bf16, 64 rows: 9 s against 16 ms for the same product on a contiguous input; benchmarks/bench_cpu_linear.py).
+    # The index gathers a contiguous copy.
     out = model(input_ids=input_ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-                cache=alone, use_cache=True, logits_to_keep=1)
+                cache=alone, use_cache=True, logits_to_keep=torch.tensor([T - 1], device=device))
     for layer, kv in enumerate(alone.layers):
         for j, (row, p) in enumerate(zip(rows, prompts)):
             cache.write_row(layer, row, kv.keys[j, :, T - len(p):], kv.values[j, :, T - len(p):])

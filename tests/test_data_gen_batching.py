@@ -120,3 +120,22 @@ def test_sliding_window_reaching_the_answer_is_refused():
     check_window(SimpleNamespace(sliding_window=4096), 4095)
     with pytest.raises(DraftsmithError, match="sliding window of 4096 tokens"):
         check_window(SimpleNamespace(sliding_window=4096), 4096)
+
+
+def test_prefill_hands_the_lm_head_a_contiguous_last_position(tiny64):
+    """The prefill's logits: the lm_head reads a contiguous (B, 1, H) copy of the last position, equal to the full
+    forward's last row. (logits_to_keep=1 hands it a strided view, on which torch 2.13's CPU linear copies the weight
+    once per row: seconds per bf16 prefill of 64 prompts; benchmarks/bench_cpu_linear.py.)"""
+    target = tiny64
+    first = prompts_of(target, 1)[0]
+    prompts = [first, first[:-2] + first[-1:] + first[-2:-1]]  # two rows of one length: one group, no padding
+    seen = []
+    hook = target.model.lm_head.register_forward_hook(lambda m, args, out: seen.append(args[0].is_contiguous()))
+    try:
+        cache = batching.RowCache(len(prompts), len(prompts[0]) + 1)
+        logits = batching.prefill_group(target.model, cache, list(range(len(prompts))), prompts, target.device)
+    finally:
+        hook.remove()
+    assert seen == [True]
+    full = target.model(input_ids=torch.tensor(prompts)).logits[:, -1]
+    torch.testing.assert_close(logits, full)
