@@ -53,14 +53,15 @@ def prepare_setup(args, k_max: int):
 
 
 def load_heads(cfg, setup, folders: list[str]) -> dict[str, object]:
-    """method name -> a fresh proposer of each head folder."""
+    """method name (`eagle3#2` for the second head of a method) -> a fresh proposer of each head folder."""
     from draftsmith.eval.run import load_drafter
 
     heads = {}
     for folder in folders:
         cfg.head = str(folder)
         drafter = load_drafter(cfg, setup.target, setup.runner.max_len)
-        heads[drafter.method] = drafter.make
+        same = sum(1 for name in heads if name.split("#")[0] == drafter.method)
+        heads[drafter.method + (f"#{same + 1}" if same else "")] = drafter.make
     cfg.head = "none"
     return heads
 
