@@ -62,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     result["prefill_last_logits_ms"] = {}
     w = torch.randn(*SHAPES["lm_head (49152x576)"])
     for dtype in (torch.float32, torch.bfloat16):
+        w_dtype = w.to(dtype)
         for b in args.prefill_rows:
             h = torch.randn(b, 40, 576, dtype=dtype)
-            w_dtype = w.to(dtype)
             for way, x in (("slice", h[:, -1:, :]), ("gathered", h[:, torch.tensor([39]), :])):
                 ms = 1e3 * seconds(lambda: torch.nn.functional.linear(x, w_dtype), 2, warmup=1)
                 result["prefill_last_logits_ms"][f"{str(dtype)[6:]} B={b} {way}"] = ms

@@ -213,9 +213,9 @@ def agreement_where_identical(builtin: list[metrics.Sample], got: dict, referenc
     (past a divergence the two decoders draft from different contexts); `prompts_compared` says how many."""
     keep = [i for i, (a, b) in enumerate(zip(got["tokens"], reference)) if a == b]
     compared = f"{len(keep)}/{len(reference)}"
-    if not keep:  # nothing left to compare: the pooled figures beside each other, and never "equal"
-        return agreement(builtin, got, k) | {"equal": False, "prompts_compared": compared}
     counters = got["per_prompt_counters"]
+    if not keep:  # nothing left to compare: the pooled figures beside each other, and never "equal"
+        return agreement(builtin, {"counters": pooled(counters)}, k) | {"equal": False, "prompts_compared": compared}
     agree = agreement([builtin[i] for i in keep], {"counters": pooled([counters[i] for i in keep])}, k)
     return agree | {"prompts_compared": compared}
 
