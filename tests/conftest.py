@@ -270,13 +270,19 @@ def builtin_samples(engine_data, engine_head, tmp_path_factory):
 # --------------------------------------------------------------------------- where the suite's minutes go
 
 _module_seconds: dict[str, float] = collections.defaultdict(float)
+_module_spans: dict[str, list] = {}  # module -> [first start, last stop (epoch s), worker]: what ran beside what
 _session_start = time.perf_counter()
 
 
 def pytest_runtest_logreport(report):
     """Wall time per test module, fixtures' setup and teardown included (a module-scoped setup that trains heads
     counts toward its module's first test). Reports reach the controlling process under pytest-xdist too."""
-    _module_seconds[report.nodeid.split("::")[0]] += report.duration
+    module = report.nodeid.split("::")[0]
+    _module_seconds[module] += report.duration
+    node = getattr(report, "node", None)  # pytest-xdist's worker, in the controlling process
+    worker = node.gateway.id if node is not None else "-"
+    span = _module_spans.setdefault(module, [report.start, report.stop, worker])
+    span[0], span[1] = min(span[0], report.start), max(span[1], report.stop)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -291,6 +297,12 @@ def pytest_terminal_summary(terminalreporter):
         tr.write_line(f"{seconds:8.1f} s  {name}")
     tr.write_line(f"{sum(_module_seconds.values()):8.1f} s  in tests (summed over {workers or 1} worker(s)), "
                   f"{total:.1f} s since the session started")
+    # Two workers share 2 cores: a module beside a heavy one runs up to 1.6x slower (the vLLM job alone 160 s,
+    # beside test_engine_llamacpp 237 s, beside the torchrun modules 255 s; docs/benchmarks.md), so say what overlapped
+    tr.section("timeline: each module's first start and last stop, seconds since the first test began")
+    t0 = min(span[0] for span in _module_spans.values())
+    for name, (start, stop, worker) in sorted(_module_spans.items(), key=lambda kv: kv[1][0]):
+        tr.write_line(f"{start - t0:7.0f} {stop - t0:7.0f}  {worker:>4}  {name}")
     log = terminalreporter.config._tmp_path_factory.getbasetemp() / MADE_ONCE_LOG
     if log.is_file():  # what the engine modules share, counted in the module that asked first
         tr.section("made once per run and shared (data-gen, heads, built-in readings), and the waits for them")
