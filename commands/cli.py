@@ -30,6 +30,17 @@ SUBCOMMANDS = {
     "demo": ("draftsmith.demo", "demo"),
 }
 
+# What a Ctrl-C leaves and how to go on: every stage writes through temporary names, so nothing finished is lost
+AFTER_INTERRUPT = {
+    "data-gen": "the finished parts are kept, and the same command resumes from them.",
+    "train": "the checkpoints saved so far are kept; the same command with resume=true continues from the latest "
+             "(save_every sets how often one is written).",
+    "eval": "nothing is resumed: the same command starts the eval again.",
+    "export": "nothing was left half-written: the same command starts again.",
+    "publish": "the upload is one commit, so the Hub repo has all of it or none of it: the same command starts again.",
+    "demo": "the finished stages and the interrupted stage's parts are kept, and the same command resumes.",
+}
+
 USAGE = f"""usage: draftsmith <command> [key=value ...]   (Hydra overrides; --cfg job prints the config)
        draftsmith <command> --help   (every option with its default)
        draftsmith --version
@@ -194,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
             result = stage.run(check_config(config_name, cfg))  # the typed config tree
         except DraftsmithError as e:
             fail(e)
+        except KeyboardInterrupt:  # Ctrl-C: one line that says what the next run does, not a torch traceback
+            print(f"draftsmith {command}: interrupted; {AFTER_INTERRUPT[command]}", file=sys.stderr)
+            sys.exit(130)
         # Stages return data; the few lines a person reads are printed here, by the stage's `summary`.
         if hasattr(stage, "summary") and result is not None:
             print(stage.summary(result))

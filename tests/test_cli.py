@@ -84,3 +84,22 @@ def test_hydra_cfg_flag_still_prints_the_config(capsys):
     assert "method:\n  name: eagle3\n  draft_vocab_size: 32000" in out and "name: tiny" in out
     code, _, err = _exit(capsys, "train", "lr=abc", "--cfg", "job")
     assert code == 2 and "lr=abc" in err
+
+
+@pytest.mark.parametrize("command", sorted(SUBCOMMANDS))
+def test_ctrl_c_is_one_line_that_says_how_to_go_on(capsys, monkeypatch, command):
+    """A KeyboardInterrupt inside any stage exits 130 with one line naming the command and what a rerun does."""
+    import importlib
+
+    from draftsmith.cli import AFTER_INTERRUPT
+
+    stage = importlib.import_module(SUBCOMMANDS[command][0])
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stage, "run", interrupted)
+    monkeypatch.setattr("draftsmith.configs.check_config", lambda name, cfg, **kw: cfg)  # no real data, head or target
+    code, out, err = _exit(capsys, command)
+    assert code == 130 and out == ""
+    assert err == f"draftsmith {command}: interrupted; {AFTER_INTERRUPT[command]}\n"
