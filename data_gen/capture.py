@@ -33,8 +33,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import queue
+import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -185,10 +188,70 @@ def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> int:
     return len(data)
 
 
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` in host memory. From a CUDA device the copy is only queued, into pinned memory, so the GPU goes on
+    with the next batch: it holds the values once the stream's work queued so far is done (see `host_ready`)."""
+    if t.device.type != "cuda":
+        return t.cpu().contiguous()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+def host_ready(device: torch.device) -> Optional[torch.cuda.Event]:
+    """An event recorded after the copies `to_host` queued on `device` so far (None on a CPU: they are done)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+@contextmanager
+def in_background(depth: int = 1) -> Iterator[Callable]:
+    """Run the calls given to the yielded `submit(fn, *args)` in order, on one writer thread.
+
+    At most `depth` calls wait (each holds a shard in host memory), so the shard being filled, one waiting and
+    one being written are all that is held. The first error of a call is raised here in the caller, once: at
+    the next submit or at the end of the block; the calls after it are dropped. Leaving the block, even by an
+    error, waits for the calls submitted before it, so what they recorded is on disk.
+    """
+    calls: queue.Queue = queue.Queue(maxsize=depth)
+    failed: list[BaseException] = []
+
+    def work() -> None:
+        while (call := calls.get()) is not None:
+            if not failed:  # after an error, drain: the caller must never block on a full queue
+                try:
+                    call[0](*call[1:])
+                except BaseException as e:  # noqa: BLE001 (re-raised in the caller, a KeyboardInterrupt too)
+                    failed.append(e)
+
+    def submit(fn: Callable, *args) -> None:
+        if failed:
+            raise failed[0]
+        calls.put((fn, *args))
+
+    thread = threading.Thread(target=work, name="capture-writer", daemon=True)
+    thread.start()
+    try:
+        yield submit
+    finally:
+        calls.put(None)
+        thread.join()
+    if failed:
+        raise failed[0]
+
+
 def capture_hidden_states(target, input_ids: list[list[int]], folder: str | Path, dtype: str = "bfloat16",
                           samples_per_shard: int = 256, batch_size: int = 8, rank: int = 0, world: int = 1,
                           source: str = "hf") -> dict:
     """Capture features for every sequence into resumable shards (from FEATURE_SOURCES[source]); returns the index.
+
+    The target computes shard s + 1 while a writer thread writes shard s (`in_background`); a shard is recorded
+    in the index only once its file is written, and the writer has finished every shard before this returns.
+    From a CUDA device the features are copied to pinned host memory without waiting (`to_host`); the writer
+    waits for those copies (`host_ready`) before it serialises them. The bytes are those of a synchronous write.
 
     world > 1: capture only this rank's shards (s % world == rank) and record them in its rank index;
     returns a partial index (`complete` False; `captured` / `kept`: this rank's shards written / kept). Whoever
@@ -206,29 +269,35 @@ def capture_hidden_states(target, input_ids: list[list[int]], folder: str | Path
     kept = sum(len(x) for s in mine if s in done
                for x in input_ids[s * samples_per_shard:(s + 1) * samples_per_shard])
     captured = {}
-    with progress(total=total, desc="capture", unit="tok", initial=kept) as bar:
-        for s in mine:
+
+    def store(s: int, first: int, count: int, tensors: dict, ready: Optional[torch.cuda.Event]) -> None:
+        """On the writer thread: write shard s, then record it (only this thread touches `done` meanwhile)."""
+        if ready is not None:
+            ready.synchronize()  # the pinned copies of this shard have landed
+        nbytes = _write_shard(folder / shard_name(s), tensors)
+        done[s] = captured[s] = {"file": shard_name(s), "first": first, "count": count, "bytes": nbytes}
+        if world == 1:
+            atomic_write_json(folder / INDEX, {**header, "shards": [done[k] for k in sorted(done)], "complete": False})
+        else:  # only this rank writes this file (ranks never overwrite each other's records); it also
+            # lists what was finished before, so a second kill loses no earlier shard
+            atomic_write_json(folder / RANK_INDEX.format(rank), {
+                **header, "shards": [done[k] for k in sorted(done)], "complete": False})
+
+    todo = [s for s in mine if s not in done]
+    with progress(total=total, desc="capture", unit="tok", initial=kept) as bar, in_background() as submit:
+        for s in todo:
             first, count = s * samples_per_shard, min(samples_per_shard, n - s * samples_per_shard)
-            if s in done:
-                continue
             order = sorted(range(first, first + count), key=lambda i: -len(input_ids[i]))
             tensors = {}
             for b in range(0, len(order), batch_size):
                 idx = order[b:b + batch_size]
                 for i, feats in zip(idx, features_batch(target, [input_ids[i] for i in idx], features)):
-                    tensors[f"{i}.aux"] = feats["aux"].to(store_dtype).cpu().contiguous()
-                    tensors[f"{i}.last"] = feats["last"].to(store_dtype).cpu().contiguous()
-                    tensors[f"{i}.top"] = feats["top"].cpu().contiguous()
-                    tensors[f"{i}.lse"] = feats["lse"].cpu().contiguous()
+                    tensors[f"{i}.aux"] = to_host(feats["aux"].to(store_dtype))
+                    tensors[f"{i}.last"] = to_host(feats["last"].to(store_dtype))
+                    tensors[f"{i}.top"] = to_host(feats["top"])
+                    tensors[f"{i}.lse"] = to_host(feats["lse"])
                     bar.update(len(input_ids[i]))
-            nbytes = _write_shard(folder / shard_name(s), tensors)
-            done[s] = captured[s] = {"file": shard_name(s), "first": first, "count": count, "bytes": nbytes}
-            if world == 1:
-                atomic_write_json(folder / INDEX, {**header, "shards": [done[k] for k in sorted(done)], "complete": False})
-            else:  # only this rank writes this file (ranks never overwrite each other's records); it also
-                # lists what was finished before, so a second kill loses no earlier shard
-                atomic_write_json(folder / RANK_INDEX.format(rank), {
-                    **header, "shards": [done[k] for k in sorted(done)], "complete": False})
+            submit(store, s, first, count, tensors, host_ready(target.device))
     if world == 1:
         return write_index(folder, header, done)
     return {**header, "shards": [captured[k] for k in sorted(captured)], "complete": False,
