@@ -18,9 +18,11 @@ written last):
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import datasets
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -49,6 +51,36 @@ def load_tokenized(data_dir: str | Path, target_identity: dict | None = None):
     return ds, manifest
 
 
+class TokenRows:
+    """One list column of a tokenized set (input_ids or loss_mask), row i as a read-only numpy view, cut at
+    `max_length`: no copy, no Python list. A set saved by `datasets.save_to_disk` is memory-mapped Arrow, so the
+    tokens stay in the file's pages (shared by every rank on the node, dropped by the kernel under pressure) and
+    each row costs 16 bytes of index here, whatever its length."""
+
+    def __init__(self, ds: datasets.Dataset, column: str, max_length: int):
+        if ds._indices is not None:  # a filtered / shuffled view (never what load_from_disk returns): make it plain
+            ds = ds.flatten_indices()
+        chunks = ds.data.column(column).chunks  # ListArray (or LargeListArray) per record batch
+        self._values = [c.values.to_numpy(zero_copy_only=True) for c in chunks]  # flat, the whole chunk's buffer
+        offsets = [c.offsets.to_numpy() for c in chunks]  # (rows + 1,) into that buffer (a slice's own)
+        self._chunk = np.concatenate([np.full(len(o) - 1, k, dtype=np.int32) for k, o in enumerate(offsets)])
+        self._start = np.concatenate([o[:-1] for o in offsets]).astype(np.int64)
+        full = np.concatenate([np.diff(o) for o in offsets]).astype(np.int64)
+        self._length = np.minimum(full, max_length).astype(np.int32)
+
+    def __len__(self) -> int:
+        return len(self._start)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        """Row i, cut at max_length: a read-only view into the Arrow buffer."""
+        start = int(self._start[i])
+        return self._values[int(self._chunk[i])][start:start + int(self._length[i])]
+
+    def lengths(self) -> np.ndarray:
+        """(rows,) int32: every row's length, cut at max_length."""
+        return self._length
+
+
 def load_conversations(data_dir: str | Path):
     """The regenerated conversations (datasets.Dataset: id, category, messages)."""
     read_manifest(data_dir)
@@ -74,13 +106,16 @@ class HiddenStates:
         self.shards = sorted(self.index["shards"], key=lambda e: e["first"])
         self.per_shard = self.index["samples_per_shard"]
         self._open: dict[str, object] = {}
+        self._opening = threading.Lock()  # a prefetch thread and the main thread (held-out rows) may both open
 
     def __len__(self) -> int:
         return self.index["num_samples"]
 
     def _handle(self, file: str):
         if file not in self._open:
-            self._open[file] = safe_open(str(self.folder / file), framework="pt")
+            with self._opening:
+                if file not in self._open:
+                    self._open[file] = safe_open(str(self.folder / file), framework="pt")
         return self._open[file]
 
     @property

@@ -12,6 +12,7 @@ from draftsmith.data_gen.target import TargetConfig
 from draftsmith.core.procenv import launched_processes
 
 DEEPSPEED_PRESETS = ("auto", "none", "zero1", "zero2", "zero3")
+PACKING_METHODS = ("eagle3",)  # the methods whose step reads packed rows (position_ids, document_ids)
 
 
 @dataclass
@@ -59,6 +60,10 @@ class TrainConfig:
     micro_batch_size: int = 1  # per process
     grad_accum: int = 1  # micro-batches per optimizer step
     mega_batch: int = 64  # length bucketing: sort by length within this many global batches
+    # 0 = off (each conversation its own right-padded row) | N: a micro-batch's conversations are packed first-fit, in
+    # order, into rows of at most N tokens (positions restart and attention stays inside each conversation);
+    # method=eagle3 only; at least max_length, so every conversation (cut at max_length) fits a row
+    pack_tokens: int = 0
     val_samples: int = 0  # hold out the last N samples; evaluated at the end (and every eval_every steps)
     train_samples: Optional[int] = None  # train on only the first N samples left after val_samples (None = all)
     # optimizer steps between held-out evaluations (needs val_samples); the best head so far by select_by is
@@ -107,6 +112,15 @@ class TrainConfig:
                      "keep_last", "log_every"):
             checks.at_least(name, getattr(self, name), 1)
         checks.at_least("val_samples", self.val_samples, 0)
+        checks.at_least("pack_tokens", self.pack_tokens, 0)
+        method = getattr(self.method, "name", None)  # None while method= is still missing (refused by validate)
+        if self.pack_tokens and method not in (None, *PACKING_METHODS):
+            raise DraftsmithError(f"pack_tokens={self.pack_tokens} packs conversations for method=eagle3 only; "
+                                  f"method={method}'s step reads one right-padded conversation per row: set pack_tokens=0.")
+        if 0 < self.pack_tokens < self.max_length:
+            raise DraftsmithError(f"pack_tokens={self.pack_tokens} is less than max_length={self.max_length}: a "
+                                  f"conversation is cut at max_length and must fit one packed row; raise pack_tokens "
+                                  f"or lower max_length.")
         checks.at_least("train_samples", self.train_samples, 1, null="all")
         checks.at_least("eval_every", self.eval_every, 0)
         checks.one_of("select_by", self.select_by, ("auto", "etau_greedy", "etau_sample", "acc_0", "alpha_0"))

@@ -6,46 +6,58 @@ mega-batch by length, cut into global batches, shuffle the batches. A global bat
 goes to rank k % world_size as accumulation slot k // world_size. So one process with
 grad_accum = 2 sees exactly the micro-batches two processes with grad_accum = 1 see, and the
 data position is just (epoch, batch index): part of the resumable state.
+
+Tokens stay in the tokenized set's memory-mapped Arrow buffers (data_gen/dataset.py TokenRows), never
+Python lists. With `pack_tokens` N > 0 a micro-batch's conversations are packed first-fit, in order,
+into rows of at most N tokens (`pack_rows`); the batch then carries position_ids restarting at 0 per
+conversation and document_ids. `prefetch` collates the micro-batches ahead in a thread (offline: the
+hidden-state shards are read there) into pinned memory, in the same order.
 """
 
 from __future__ import annotations
 
+import queue
 import random
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Iterator, Optional
 
+import numpy as np
 import torch
 
 from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.capture import shard_problem
-from draftsmith.data_gen.dataset import HiddenStates, load_tokenized
+from draftsmith.data_gen.dataset import HiddenStates, TokenRows, load_tokenized
 from draftsmith.data_gen.topk import TopkLogits
 
 
 @dataclass
 class TrainData:
-    """The tokenized rows (lists), optional offline features, and the data folder's manifest."""
+    """The tokenized rows (flat, memory-mapped: `input_ids[r]` / `loss_mask[r]` are read-only numpy views cut at
+    max_length), optional offline features, the data folder's manifest, and the packing budget."""
 
-    input_ids: list[list[int]]
-    loss_mask: list[list[int]]
+    input_ids: TokenRows
+    loss_mask: TokenRows
     hidden: Optional[HiddenStates]
     manifest: dict
     indices: list[int]  # the dataset rows this split uses
     topk: Optional[object] = None  # offline draft distillation: the data's top-k cache (data_gen/topk.py)
+    pack_tokens: int = 0  # 0: right-padded micro-batches; N: conversations packed into rows of at most N tokens
 
     def lengths(self) -> list[int]:
-        return [len(self.input_ids[i]) for i in self.indices]
+        return self.input_ids.lengths()[self.indices].tolist()
 
 
 def load_data(data_dir: str, target_identity: dict, mode: str, max_length: int, val_samples: int,
-              offline: str = "hidden_states") -> tuple[TrainData, Optional[TrainData], str]:
+              offline: str = "hidden_states", pack_tokens: int = 0) -> tuple[TrainData, Optional[TrainData], str]:
     """(train split, held-out split or None, resolved mode "online" | "offline").
 
     `offline` is what the method reads in offline mode (its entry's `offline_data`): hidden_states
-    (EAGLE-3 features) or topk_logits (the target's top-k log-probs, data_gen/topk.py)."""
+    (EAGLE-3 features) or topk_logits (the target's top-k log-probs, data_gen/topk.py). `pack_tokens`: the
+    packing budget both splits collate with (0 = off)."""
     if offline == "topk_logits":
-        return _load_topk_data(data_dir, target_identity, mode, max_length, val_samples)
+        return _load_topk_data(data_dir, target_identity, mode, max_length, val_samples, pack_tokens)
     if not Path(data_dir).is_dir():
         raise DraftsmithError(f"data={data_dir!r} is not a folder; give a data-gen output folder.")
     ds, manifest = load_tokenized(data_dir, target_identity)
@@ -67,21 +79,20 @@ def load_data(data_dir: str, target_identity: dict, mode: str, max_length: int, 
                                   f"{manifest['hidden_states'].get('aux_layer_ids')}, the target uses "
                                   f"{target_identity['aux_layer_ids']} (target.aux_layer_ids).")
         hidden = open_hidden_states(data_dir, len(ds))
-    ids = [list(x)[:max_length] for x in ds["input_ids"]]
-    masks = [list(x)[:max_length] for x in ds["loss_mask"]]
-    keep = [i for i in range(len(ids)) if len(ids[i]) >= 2 and sum(masks[i]) > 0]
+    ids, masks = TokenRows(ds, "input_ids", max_length), TokenRows(ds, "loss_mask", max_length)
+    keep = [i for i in np.flatnonzero(ids.lengths() >= 2).tolist() if masks[i].any()]
     if not keep:
         raise DraftsmithError(f"the data in {data_dir} has no sample with a loss-masked token to train on.")
     if val_samples >= len(keep):
         raise DraftsmithError(f"val_samples={val_samples} leaves no training sample out of {len(keep)}.")
     split = len(keep) - val_samples
-    train = TrainData(ids, masks, hidden, manifest, keep[:split])
-    val = TrainData(ids, masks, hidden, manifest, keep[split:]) if val_samples else None
+    train = TrainData(ids, masks, hidden, manifest, keep[:split], pack_tokens=pack_tokens)
+    val = TrainData(ids, masks, hidden, manifest, keep[split:], pack_tokens=pack_tokens) if val_samples else None
     return train, val, mode
 
 
-def _load_topk_data(data_dir: str, target_identity: dict, mode: str, max_length: int, val_samples: int
-                    ) -> tuple[TrainData, Optional[TrainData], str]:
+def _load_topk_data(data_dir: str, target_identity: dict, mode: str, max_length: int, val_samples: int,
+                    pack_tokens: int = 0) -> tuple[TrainData, Optional[TrainData], str]:
     """load_data for a method whose offline signal is data-gen's top-k cache (auto = offline when it is there)."""
     if not Path(data_dir).is_dir():
         raise DraftsmithError(f"data={data_dir!r} is not a folder; give a data-gen output folder.")
@@ -90,7 +101,7 @@ def _load_topk_data(data_dir: str, target_identity: dict, mode: str, max_length:
     mode = ("offline" if has_topk else "online") if mode == "auto" else mode
     if mode == "offline" and not has_topk:
         raise DraftsmithError(f"mode=offline needs a top-k cache in {data_dir}; rerun data-gen with topk_logits=true.")
-    train, val, _ = load_data(data_dir, target_identity, "online", max_length, val_samples)
+    train, val, _ = load_data(data_dir, target_identity, "online", max_length, val_samples, pack_tokens=pack_tokens)
     if mode == "offline":
         train.topk = TopkLogits(data_dir)
         if len(train.topk) != len(train.input_ids):
@@ -145,41 +156,148 @@ def micro_batches(batch: list[int], micro_batch_size: int, rank: int, world: int
     return micro[rank::world]
 
 
-def _right_padded(per_row, T: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """(B, T, ...) zeros holding row b's (T_b, ...) tensor at [b, :T_b] (cut at T); dtype: the rows' own."""
-    first = per_row[0]
-    out = torch.zeros(len(per_row), T, *first.shape[1:], dtype=dtype or first.dtype)
-    for b, x in enumerate(per_row):
-        n = min(x.shape[0], T)
-        out[b, :n] = x[:n]
+def micro_batch_plan(lengths: list[int], global_batch: int, mega_batch: int, seed: int, micro_batch_size: int,
+                    rank: int, world: int, start_step: int, total_steps: int) -> Iterator[list[int]]:
+    """This rank's micro-batches of optimizer steps start_step..total_steps, in the order a training loop takes
+    them (batch_order per epoch, micro_batches per step: grad_accum of them per step); what `prefetch` reads."""
+    batches_per_epoch = len(lengths) // global_batch
+    order_epoch, order = None, []
+    for step in range(start_step, total_steps):
+        epoch, b = divmod(step, batches_per_epoch)
+        if epoch != order_epoch:
+            order, order_epoch = batch_order(lengths, global_batch, mega_batch, seed, epoch), epoch
+        yield from micro_batches(order[b], micro_batch_size, rank, world)
+
+
+def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:
+    """First-fit, in order: conversation k (of `lengths[k]` tokens) goes into the first row whose total stays
+    within `budget`, else opens a new row. Returns each row's conversations (positions into `lengths`), in order.
+    A pure function of (lengths, budget): resume replays the same rows."""
+    rows: list[list[int]] = []
+    used: list[int] = []
+    for k, n in enumerate(lengths):
+        if n > budget:  # TrainConfig keeps pack_tokens >= max_length, so a cut conversation always fits
+            raise DraftsmithError(f"a conversation of {n} tokens does not fit pack_tokens={budget}; "
+                                  f"set pack_tokens to at least max_length.")
+        row = next((j for j, u in enumerate(used) if u + n <= budget), None)
+        if row is None:
+            row = len(rows)
+            rows.append([])
+            used.append(0)
+        rows[row].append(k)
+        used[row] += n
+    return rows
+
+
+def _laid_out(per_doc, layout: list[list[int]], starts: list[list[int]], T: int,
+              dtype: Optional[torch.dtype] = None, pin: bool = False) -> torch.Tensor:
+    """(B, T, ...) zeros holding document k's (T_k, ...) tensor at [row, start:start + T_k] for the row and start
+    that `layout` / `starts` give it (right-padded: one document per row); dtype: the documents' own."""
+    first = per_doc[0]
+    out = torch.zeros(len(layout), T, *first.shape[1:], dtype=dtype or first.dtype, pin_memory=pin)
+    for b, docs in enumerate(layout):
+        for k, start in zip(docs, starts[b]):
+            x = per_doc[k]
+            out[b, start:start + x.shape[0]] = x
     return out
 
 
-def collate(data: TrainData, positions: list[int], device) -> dict:
-    """Right-padded tensors of one micro-batch; offline adds aux (B, T, 3H) and last (B, T, H), and
-    target_top / target_lse (B, T) when the shards carry them."""
+def host_batch(data: TrainData, positions: list[int], pin: bool = False, pack_tokens: Optional[int] = None) -> dict:
+    """`collate`'s batch on the host (pinned when `pin`): what a prefetch thread builds."""
     rows = [data.indices[p] for p in positions]
-    T = max(len(data.input_ids[r]) for r in rows)
-    B = len(rows)
-    input_ids = torch.zeros(B, T, dtype=torch.long)
-    attention_mask = torch.zeros(B, T, dtype=torch.long)
-    loss_mask = torch.zeros(B, T, dtype=torch.long)
-    for b, r in enumerate(rows):
-        n = len(data.input_ids[r])
-        input_ids[b, :n] = torch.tensor(data.input_ids[r], dtype=torch.long)
-        attention_mask[b, :n] = 1
-        loss_mask[b, :n] = torch.tensor(data.loss_mask[r], dtype=torch.long)
-    batch = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
-             "loss_mask": loss_mask.to(device)}
-    if data.hidden is not None:
-        batch["aux"], batch["last"] = (_right_padded(x, T).to(device) for x in zip(*(data.hidden[r] for r in rows)))
+    pack = data.pack_tokens if pack_tokens is None else pack_tokens
+    n = [len(data.input_ids[r]) for r in rows]
+    layout = pack_rows(n, pack) if pack else [[k] for k in range(len(rows))]
+    starts = [np.cumsum([0] + [n[k] for k in docs[:-1]]).tolist() for docs in layout]
+    T = max(sum(n[k] for k in docs) for docs in layout)
+
+    def place(per_doc, dtype=None):
+        return _laid_out(per_doc, layout, starts, T, dtype, pin)
+
+    ids = [torch.from_numpy(data.input_ids[r].astype(np.int64)) for r in rows]
+    batch = {"input_ids": place(ids), "attention_mask": place([torch.ones(len(x), dtype=torch.long) for x in ids]),
+             "loss_mask": place([torch.from_numpy(data.loss_mask[r].astype(np.int64)) for r in rows])}
+    if pack:  # positions restart at 0 per conversation; document ids 0, 1, ... within a row, -1 on padding
+        batch["position_ids"] = place([torch.arange(len(x)) for x in ids])
+        within = {k: j for docs in layout for j, k in enumerate(docs)}  # document k is the j-th of its row
+        batch["document_ids"] = place([torch.full((len(x),), within[k] + 1) for k, x in enumerate(ids)]) - 1
+    if data.hidden is not None:  # stored rows are the full conversation: cut as the tokens are
+        aux, last = zip(*(data.hidden[r] for r in rows))
+        batch["aux"] = place([x[:m] for x, m in zip(aux, n)])
+        batch["last"] = place([x[:m] for x, m in zip(last, n)])
         if data.hidden.stats:  # the target's argmax and logsumexp per position (padding: never read)
             top, lse = zip(*(data.hidden.target_stats(r) for r in rows))
-            batch["target_top"] = _right_padded(top, T, torch.long).to(device)
-            batch["target_lse"] = _right_padded(lse, T, torch.float32).to(device)
+            batch["target_top"] = place([x[:m] for x, m in zip(top, n)], torch.long)
+            batch["target_lse"] = place([x[:m] for x, m in zip(lse, n)], torch.float32)
     if data.topk is not None:  # (B, T, k) ids and log-probs, (B, T) tail; padding positions are never scored
-        ids, logp, tail = zip(*(data.topk[r] for r in rows))
-        batch["topk_ids"] = _right_padded(ids, T, torch.int32).to(device)
-        batch["topk_logp"] = _right_padded(logp, T, torch.float32).to(device)
-        batch["topk_tail"] = _right_padded(tail, T, torch.float32).to(device)
+        ids_k, logp, tail = zip(*(data.topk[r] for r in rows))
+        batch["topk_ids"] = place([x[:m] for x, m in zip(ids_k, n)], torch.int32)
+        batch["topk_logp"] = place([x[:m] for x, m in zip(logp, n)], torch.float32)
+        batch["topk_tail"] = place([x[:m] for x, m in zip(tail, n)], torch.float32)
     return batch
+
+
+def to_device(batch: dict, device) -> dict:
+    """The host batch on `device` (asynchronous from pinned memory)."""
+    return {k: v.to(device, non_blocking=v.is_pinned()) for k, v in batch.items()}
+
+
+def collate(data: TrainData, positions: list[int], device, pack_tokens: Optional[int] = None) -> dict:
+    """One micro-batch's tensors: input_ids, attention_mask (1 on real tokens), loss_mask (B, T); offline adds
+    aux (B, T, 3H) and last (B, T, H), and target_top / target_lse (B, T) when the shards carry them.
+    pack_tokens (None: data.pack_tokens): 0 = one conversation per row, right-padded to the longest; N = the
+    conversations packed first-fit into rows of at most N tokens (pack_rows), adding position_ids (B, T)
+    restarting at 0 per conversation and document_ids (B, T): 0, 1, ... per conversation within a row, -1 on
+    padding."""
+    return to_device(host_batch(data, positions, pin=_pinned(device), pack_tokens=pack_tokens), device)
+
+
+def _pinned(device) -> bool:
+    """Pin host batches only for a CUDA device (pinning needs CUDA, and buys nothing for a CPU run)."""
+    return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+_END = object()
+
+
+def prefetch(data: TrainData, plan: Iterable[list[int]], device, depth: int = 2) -> Iterator[dict]:
+    """`collate(data, positions, device)` of each micro-batch of `plan` (micro_batch_plan), in order: a thread
+    reads up to `depth` micro-batches ahead (the offline shards' rows included) into pinned memory when the
+    device is CUDA; the copy to the device happens here, in the caller's thread. An error in the thread is
+    raised here, as itself, where its micro-batch would have come. Closing the generator stops the thread."""
+    pin = _pinned(device)
+    ready: queue.Queue = queue.Queue(maxsize=max(1, depth))
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def read() -> None:
+        try:
+            for positions in plan:
+                if not put((host_batch(data, positions, pin), None)):
+                    return
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread, raised there
+            put((None, e))
+            return
+        put((_END, None))
+
+    thread = threading.Thread(target=read, name="draftsmith-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            batch, error = ready.get()
+            if error is not None:
+                raise error
+            if batch is _END:
+                return
+            yield to_device(batch, device)
+    finally:
+        stop.set()
+        thread.join()

@@ -5,9 +5,11 @@ features, and the draft vocab map (built once from the training rows, or the che
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
@@ -78,22 +80,37 @@ def vocab_map_for(target, draft_vocab_size: int, train, resume: Optional[Path]) 
     if resume is not None:
         saved = load_file(str(resume / "head.safetensors"))
         return saved["d2t"], saved["t2d"]
-    rows = train.indices
-    counts = count_tokens((train.input_ids[i] for i in rows), (train.loss_mask[i] for i in rows), target.vocab_size)
+    rows = train.indices  # rows are read-only views of the memory-mapped tokens: counted from copies
+    counts = count_tokens((np.array(train.input_ids[i]) for i in rows), (np.array(train.loss_mask[i]) for i in rows),
+                          target.vocab_size)
     return build_vocab_map(counts, min(draft_vocab_size, target.vocab_size))
+
+
+def target_features(target, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux (B, T, 3H), last (B, T, H)): the target run on the batch. A packed batch (position_ids, train/data.py
+    pack_rows) runs with its position_ids and no 2-D mask: transformers' masking_utils then reads the documents
+    from where the positions restart (find_packed_sequence_indices) and keeps each one's causal attention inside
+    it, so every conversation sees what it would alone (rotary positions from 0, no token of another). Padding
+    sits at the row's end, where no real token attends."""
+    if "position_ids" not in batch:
+        return target.features(batch["input_ids"], batch["attention_mask"])
+    out = target.model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                             output_hidden_states=True, use_cache=False)
+    hs = out.hidden_states  # N+1 tensors (B, T, H); [0] = embeddings, [N] = after the final norm
+    return torch.cat([hs[i] for i in target.aux_layer_ids], dim=-1), hs[-1]
 
 
 def target_prepare(t2d: torch.Tensor, target, mode: str, autocast: Callable) -> Callable[[dict], dict]:
     """`prepare(batch)` adding `aux` (online: the target runs; offline: the batch's) and the TargetSide over
     the draft vocab `t2d`; shared by the methods that read the target's features."""
     target_head = TargetHead(target.model.get_output_embeddings().weight, t2d)
-    features = target.features if mode == "online" else None  # offline keeps only target_head
+    features = partial(target_features, target) if mode == "online" else None  # offline keeps only target_head
 
     def prepare(batch: dict) -> dict:
         with torch.no_grad():
             if features is not None:
                 with autocast():
-                    aux, last = features(batch["input_ids"], batch["attention_mask"])
+                    aux, last = features(batch)
             else:
                 aux, last = batch.pop("aux"), batch.pop("last")
             batch.pop("last", None)
