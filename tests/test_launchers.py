@@ -102,14 +102,14 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 @pytest.mark.parametrize("deepspeed", ["none", "zero2", "auto"])
 def test_torchrun_launcher_trains_three_steps_with_two_cpu_processes(tmp_path, deepspeed):
     from draftsmith.data_gen.target import TargetConfig, load_target
-    from draftsmith.train.trainer import _free_port  # another pytest-xdist worker may be running torchrun too
+    from draftsmith.core.distributed import free_port  # another pytest-xdist worker may be running torchrun too
     from test_train_data import make_tiny_data
 
     data = make_tiny_data(tmp_path / "d", load_target(TargetConfig(name="tiny", dtype="float32")), n=8)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
                                                             "LOCAL_RANK", "NNODES", "NODE_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", NPROC_PER_NODE="2", TORCHRUN=str(TORCHRUN),
-               MASTER_PORT=str(_free_port()), PATH=f"{TORCHRUN.parent}:{env.get('PATH', '')}")
+               MASTER_PORT=str(free_port()), PATH=f"{TORCHRUN.parent}:{env.get('PATH', '')}")
     out = tmp_path / "run"
     result = subprocess.run(["bash", str(SCRIPTS / "launch_torchrun.sh"), "train", "method=eagle3", "target=tiny",
                              "device=cpu", f"deepspeed={deepspeed}", "wandb.mode=disabled", "progress=false",

@@ -25,10 +25,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from draftsmith.core import DraftsmithError, machine
+from draftsmith.core import DraftsmithError, distributed, machine
 from draftsmith.core.artifacts import (OWNER, atomic_write_bytes, atomic_write_json, claim_output, clean_temporaries,
                                   is_empty, owner_of, prepare_output, refuse_links, remove_written)
 from draftsmith.configs import check_config
@@ -99,15 +98,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def close_distributed() -> None:
-    """Tear the process group down so every rank exits (gloo ranks otherwise wait at exit).
-
-    A single process keeps its private group: DeepSpeed caches it for later runs in the same process."""
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 # ---- the steps of a run, in order -----------------------------------------------------------------
@@ -230,8 +220,8 @@ def run(cfg: TrainConfig) -> dict:
         save_final(method, w, drafter, final, identity, rank)
     finally:
         logger.close()
-        if world > 1:
-            close_distributed()
+        if world > 1:  # a single process keeps its private group: DeepSpeed caches it for later runs in this process
+            distributed.close()
     if rank == 0 and val_metrics:
         atomic_write_json(out / "val_metrics.json", val_metrics)
     return {"out": str(out), "final": str(final), "mode": mode, "steps": total_steps, "metrics": record,

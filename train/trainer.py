@@ -20,7 +20,6 @@ import dataclasses
 import json
 import math
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
 
-from draftsmith.core import DraftsmithError, machine
+from draftsmith.core import DraftsmithError, distributed, machine
 from draftsmith.core.locks import stale_extension_locks
 from draftsmith.core.procenv import launched_processes
 from draftsmith.core.progress import progress
@@ -111,14 +110,9 @@ def resolve_precision(requested: str, device: str) -> tuple[str, str]:
     return ("bf16" if dtype == torch.bfloat16 else "fp32"), why
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(cfg) -> tuple[int, int]:
-    """(rank, world_size). Launched by torchrun / deepspeed (env vars set) or as one plain process."""
+    """(rank, world_size). Launched by torchrun / deepspeed (env vars set) or as one plain process; every path that
+    makes a group (draftsmith.core.distributed) takes this process's GPU first."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.deepspeed == "none" and world == 1:
         return 0, 1
@@ -126,18 +120,14 @@ def init_distributed(cfg) -> tuple[int, int]:
     if stale:
         raise DraftsmithError(f"{stale[0]} is left by a killed DeepSpeed op build (no process holds it) and "
                               f"DeepSpeed would wait on it forever; delete it and rerun.")
-    backend = "gloo" if cfg.device == "cpu" else "nccl"
-    if not dist.is_initialized():
-        if world == 1:  # DeepSpeed needs a process group even alone: a private one on a free port
-            for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-                os.environ.setdefault(key, value)  # DeepSpeed reads these
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-        elif cfg.deepspeed == "none":
-            dist.init_process_group(backend)
+    if world == 1:  # DeepSpeed needs a process group even alone: init_group makes a private one
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(key, value)  # DeepSpeed reads these
+    distributed.init_group(cfg.device, world)
     if cfg.deepspeed != "none":
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend=backend)  # adopts the group when one exists
+        deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the group
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -177,6 +167,14 @@ class Wrapped:
     grad_accum: int
     grad_clip: float
     _micro: int = 0
+
+    def no_sync(self):
+        """Around a micro-batch's forward and backward: DDP all-reduces gradients in backward, which only the
+        step's last micro-batch needs (DeepSpeed decides this itself; one process has nothing to reduce)."""
+        last = (self._micro + 1) % self.grad_accum == 0
+        if self.engine is None and self.model is not self.module and not last:
+            return self.model.no_sync()
+        return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.engine is not None:
@@ -236,19 +234,12 @@ def autocast(cfg):
     return contextlib.nullcontext()
 
 
-def _all_reduce(t: torch.Tensor, world: int) -> torch.Tensor:
-    if world > 1:
-        dist.all_reduce(t)
-    return t
-
-
 def save_checkpoint(w: Wrapped, out: Path, step: int, state: dict, rank: int, world: int, keep_last: int) -> None:
     """All ranks: write the temp folder; rank 0 publishes it once everyone is done."""
     tmp = ckpt.tmp_path(out, step)
     if rank == 0:
         tmp.mkdir(parents=True, exist_ok=True)
-    if world > 1:
-        dist.barrier()
+    distributed.barrier()
     if w.engine is not None:
         w.engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", save_latest=False)
     elif rank == 0:
@@ -257,12 +248,10 @@ def save_checkpoint(w: Wrapped, out: Path, step: int, state: dict, rank: int, wo
     with w.full_weights() as sd:
         if rank == 0:
             ckpt.write_common(tmp, sd, state, w.scheduler.state_dict())
-    if world > 1:
-        dist.barrier()
+    distributed.barrier()
     if rank == 0:
         ckpt.publish(out, step, keep_last)
-    if world > 1:
-        dist.barrier()
+    distributed.barrier()
 
 
 def load_checkpoint(w: Wrapped, path: Path, rank: int) -> None:
@@ -349,7 +338,7 @@ def evaluate(w: Wrapped, data: TrainData, prepare: Callable, summarize: Callable
                 _, stats = w.module(**batch)
             total = stats if total is None else total + stats
     w.module.train()
-    return {f"val_{k}": v for k, v in summarize(total).items()}
+    return {f"val_{k}": v for k, v in summarize(total.cpu()).items()}  # one host read: summarize reads it row by row
 
 
 def selection_key(cfg, metrics: dict) -> str:
@@ -387,23 +376,26 @@ def train_loop(w: Wrapped, cfg, data: TrainData, prepare: Callable, summarize: C
         t0 = time.perf_counter()
         if epoch != order_epoch:  # the order is a pure function of (seed, epoch): built once per epoch
             order, order_epoch = batch_order(lengths, global_batch, cfg.mega_batch, cfg.seed, epoch), epoch
-        stats_sum, loss_sum, tokens = None, torch.zeros(()), torch.zeros(())
+        # The step's record (loss, tokens, stats) stays on the device until its one host read, after the reduce.
+        stats_sum, loss_sum, tokens = None, torch.zeros((), device=cfg.device), torch.zeros((), device=cfg.device)
         for positions in micro_batches(order[b], cfg.micro_batch_size, rank, world):
             batch = prepare(collate(data, positions, cfg.device))
-            with autocast(cfg):
-                loss, stats = w.model(**batch)
-            w.backward(loss)
+            with w.no_sync():
+                with autocast(cfg):
+                    loss, stats = w.model(**batch)
+                w.backward(loss)
             w.micro_step()
-            loss_sum += loss.detach().float().cpu()
-            tokens += batch["attention_mask"].sum().cpu()
+            loss_sum += loss.detach().float()
+            tokens += batch["attention_mask"].sum()
             stats_sum = stats if stats_sum is None else stats_sum + stats
         step += 1
-        reduced = _all_reduce(torch.cat([loss_sum[None], tokens[None].float(), stats_sum.flatten().cpu()]), world)
+        reduced = distributed.all_reduce(torch.cat([loss_sum[None], tokens[None], stats_sum.flatten()]))
+        values = reduced.tolist()  # the step's one host sync
         dt = time.perf_counter() - t0
-        record = {"step": step, "epoch": epoch, "loss": reduced[0].item() / (cfg.grad_accum * world),
-                  "lr": w.scheduler.get_last_lr()[0], "tokens": int(reduced[1].item()),
-                  "step_s": round(dt, 4), "tokens_per_s": round(reduced[1].item() / dt, 1),
-                  **summarize(reduced[2:].view_as(stats_sum))}
+        record = {"step": step, "epoch": epoch, "loss": values[0] / (cfg.grad_accum * world),
+                  "lr": w.scheduler.get_last_lr()[0], "tokens": int(values[1]),
+                  "step_s": round(dt, 4), "tokens_per_s": round(values[1] / dt, 1),
+                  **summarize(torch.tensor(values[2:], dtype=reduced.dtype).view(stats_sum.shape))}
         evaluated = val is not None and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == total_steps)
         if evaluated:
             val_metrics = evaluate(w, val, prepare, summarize, cfg, world)
