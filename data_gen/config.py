@@ -105,7 +105,8 @@ class BackendConfig:
     batch_size: int = 16  # hf: conversations decoded together (rows of the static KV cache); vllm: max_num_seqs
     url: str = "http://127.0.0.1:8000/v1"  # openai: the server's base URL
     model: Optional[str] = None  # served model name for the openai backend
-    concurrency: int = 8  # openai: requests in flight
+    # openai: requests in flight, kept in flight across chunk boundaries (a vLLM or SGLang server batches hundreds)
+    concurrency: int = 256
     timeout_s: float = 600.0  # openai: seconds per request try, connect to last byte (a total deadline)
     # openai: tries after the first for a request that met 429, 408, 5xx, a dropped connection or a timeout
     retries: int = 4

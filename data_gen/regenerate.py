@@ -8,7 +8,8 @@ Backends (looked up in BACKENDS):
   hf      built in: draftsmith.data_gen.batching's continuous batching (a static KV cache whose
           rows, as their answers end, are refilled with waiting prompts).
   openai  any OpenAI-compatible server (`vllm serve`, SGLang): POST /v1/chat/completions with
-          bounded concurrency; 429 / 408 / 5xx / dropped connections / timeouts are retried with
+          backend.concurrency requests in flight (default 256), kept in flight across chunk boundaries
+          (`regenerate_in_order`); 429 / 408 / 5xx / dropped connections / timeouts are retried with
           backoff (backend.retries, backend.backoff_s, backend.backoff_max_s; draftsmith.core.retry).
   vllm    vLLM in-process in its own venv (draftsmith.core.engine runs core/vllm_generate.py there): one `LLM`
           on the target's HF folder per call, every conversation submitted at once (continuous batching).
@@ -32,7 +33,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from types import SimpleNamespace
+from typing import Callable, Optional
 
 from draftsmith.core import DraftsmithError, engine
 from draftsmith.data_gen.batching import generate_tokens
@@ -290,6 +292,9 @@ def _server_message(r) -> str:
 class OpenAIBackend:
     """Any OpenAI-compatible server: one /chat/completions request per turn, `concurrency` in flight.
 
+    `chat` may be called from several threads at once (`regenerate_in_order` does, one chunk each): their
+    requests share the same `concurrency` slots, so the server sees that many in flight across the calls.
+
     Each try of a request must finish within `timeout_s` (connect to last byte). 429, 408, 5xx, a
     dropped or reset connection and a timeout are tried again, up to `retries` times, after a jittered
     exponential backoff (draftsmith.core.retry; a Retry-After is honoured up to `backoff_max_s`); a retry
@@ -308,6 +313,8 @@ class OpenAIBackend:
                                    limits=httpx.Limits(max_connections=max(100, n), max_keepalive_connections=max(20, n)))
         _bound_by_deadline(self.client)
         self._down: str | None = None  # set once a request ran out of tries on a server nobody answers at
+        self.slots = n  # requests in flight at most, over every chat call running at once
+        self._slots = threading.BoundedSemaphore(n)
         self.model = cfg.model or self._first_model()
 
     def _try(self, method: str, path: str, **kw):
@@ -374,11 +381,19 @@ class OpenAIBackend:
         except _CannotConnect as e:
             raise Transient(f"cannot connect: {e}") from None
 
+    def stop(self, why: str) -> None:
+        """Send no more requests (those in flight finish): every later one fails at once with `why`."""
+        self._down = why
+
     def _one(self, messages: list[dict], seed: int) -> str | Failed:
-        if self._down is not None:  # the server is gone: fail fast, a rerun asks again
-            return Failed(self._down, 0)
         body = {"model": self.model, "messages": messages, "max_tokens": self.params.max_new_tokens,
                 "temperature": self.params.temperature, "top_p": self.params.top_p, "seed": seed % (1 << 31)}
+        with self._slots:  # (a retry's backoff keeps its slot: never more than `concurrency` in flight)
+            if self._down is not None:  # the server is gone, or the run stopped: fail fast, a rerun asks again
+                return Failed(self._down, 0)
+            return self._answer(body)
+
+    def _answer(self, body: dict) -> str | Failed:
         try:
             r = call(lambda: self._post(body), self.backoff)
         except Transient as e:
@@ -461,6 +476,58 @@ def regenerate_all(samples: list[dict], backend, seed: int, bar=None, errors: di
     if bar is not None and not all(segments):
         bar.update(sum(not s for s in segments))  # nothing to answer ([]: left out, not failed)
     return history
+
+
+def jobs_at_once(backend, size: int) -> int:
+    """How many chunks of `size` prompts are regenerated at once: for a server (a backend with `slots`), enough that
+    while the oldest chunk waits for its last answers the others fill every slot; else one (a backend that decodes
+    a batch itself, on the target here or in one engine job, runs one chunk at a time)."""
+    slots = getattr(backend, "slots", 0)
+    return 1 + -(-slots // max(1, size)) if slots else 1
+
+
+def regenerate_in_order(jobs: list[list[dict]], backend, seed: int, finished: Callable, bar=None,
+                        regenerate: Optional[Callable] = None) -> None:
+    """`regenerate(samples, backend, seed, bar, errors)` (default `regenerate_all`) of each job (a chunk's samples);
+    `finished(k, messages, errors)` is called in this thread, in job order, as soon as jobs 0..k are all done
+    (errors: {sample index in the job: Failed}).
+
+    A server's backend (`jobs_at_once` > 1) keeps its requests in flight across job boundaries: jobs k + 1 .. k + w - 1
+    run, each on its own thread, while job k's last answers come back, and job k + w starts once job k is finished
+    and handed over. So a kill loses at most the w jobs running and the one being handed over (a rerun regenerates
+    them), and `finished` sees the same jobs in the same order as a sequential loop. An error (in `finished`, or a Ctrl-C)
+    stops the backend's further requests and is raised here once the running jobs have returned.
+    """
+    lock = threading.Lock()
+
+    def update(n: int = 1) -> None:  # the bar is shared by the jobs' threads
+        with lock:
+            bar.update(n)
+
+    shared_bar = None if bar is None else SimpleNamespace(update=update)
+
+    def one(samples: list[dict]) -> tuple[list, dict]:
+        errors: dict = {}
+        return (regenerate or regenerate_all)(samples, backend, seed, shared_bar, errors), errors
+
+    width = jobs_at_once(backend, max(map(len, jobs), default=1))
+    if width == 1:
+        for k, samples in enumerate(jobs):
+            finished(k, *one(samples))
+        return
+    pool = ThreadPoolExecutor(max_workers=width, thread_name_prefix="regenerate")
+    running = {k: pool.submit(one, jobs[k]) for k in range(min(width, len(jobs)))}
+    try:
+        for k in range(len(jobs)):
+            messages, errors = running.pop(k).result()
+            if k + width < len(jobs):
+                running[k + width] = pool.submit(one, jobs[k + width])
+            finished(k, messages, errors)
+    except BaseException:
+        getattr(backend, "stop", lambda why: None)("stopped: the run ended early")
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def regenerate(samples: list[dict], backend, seed: int) -> tuple[list[dict], int]:

@@ -229,7 +229,7 @@ class _Loaded:
     target_hash: str
     config: object  # the model's transformers config
     generation_config: object  # what the model's own generation_config will be
-    build: object  # () -> PreTrainedModel (weights loaded, on the CPU, in the requested dtype)
+    build: object  # (device) -> PreTrainedModel (weights loaded on that device, in the requested dtype)
 
 
 def load_target(cfg: TargetConfig, lazy: bool = False,
@@ -258,7 +258,8 @@ def load_target(cfg: TargetConfig, lazy: bool = False,
         tokenizer.pad_token = tokenizer.eos_token
 
     def build() -> PreTrainedModel:
-        return loaded.build().to(device=cfg.device, dtype=model_dtype(cfg))
+        # (a no-op for a model loaded onto its device: the same device and dtype)
+        return loaded.build(cfg.device).to(device=cfg.device, dtype=model_dtype(cfg))
 
     aux_layer_ids = cfg.aux_layer_ids
     if aux_layer_ids is None and layers is not None:
@@ -316,6 +317,12 @@ def _with_chat_template(tokenizer, cfg: TargetConfig, name: str):
     return tokenizer
 
 
+def onto(device: str) -> dict:
+    """from_pretrained's arguments that load the weights straight onto `device`: each rank's GPU gets its
+    shards from the files, with no full copy in host memory first. Nothing on a CPU, where they land anyway."""
+    return {} if torch.device(device).type == "cpu" else {"device_map": device}
+
+
 def _load_hf(name: str, cfg: TargetConfig):
     is_dir = Path(name).is_dir()
     if not is_dir and (name.startswith((".", "/", "~")) or name.count("/") > 1):
@@ -343,10 +350,11 @@ def _load_hf(name: str, cfg: TargetConfig):
     else:
         h.update(f"{name}@{cfg.revision or 'main'}".encode())
 
-    def build():
+    def build(device: str):
         with code:
             return AutoModelForCausalLM.from_pretrained(
-                name, revision=cfg.revision, dtype=model_dtype(cfg), trust_remote_code=cfg.trust_remote_code)
+                name, revision=cfg.revision, dtype=model_dtype(cfg), trust_remote_code=cfg.trust_remote_code,
+                **onto(device))
 
     return _Loaded(tokenizer, h.hexdigest()[:16], config, _generation_config(name, cfg.revision), build)
 
@@ -371,8 +379,9 @@ def _load_gguf(path: Path, cfg: TargetConfig):
             )
         _cache_gguf_as_safetensors(path, cached)
     tokenizer = AutoTokenizer.from_pretrained(cached)
+    # only the dequantisation into the cache needs the CPU (once per file); the cached copy loads like an HF folder
     return _Loaded(tokenizer, digest, AutoConfig.from_pretrained(cached), _generation_config(cached),
-                   lambda: AutoModelForCausalLM.from_pretrained(cached, dtype=model_dtype(cfg)))
+                   lambda device: AutoModelForCausalLM.from_pretrained(cached, dtype=model_dtype(cfg), **onto(device)))
 
 
 def _cache_gguf_as_safetensors(path: Path, cached: Path) -> None:
@@ -455,7 +464,9 @@ def _load_tiny(cfg: TargetConfig, seed: int = 0):
     generation_config.pad_token_id = config.pad_token_id
     h = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode() + f"seed{seed}".encode())
 
-    def build():
+    def build(device: str):
+        # drawn on the CPU, whatever the device: the same seed gives the same weights (and target_hash) everywhere;
+        # load_target then moves this small model
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             model = LlamaForCausalLM(config)
