@@ -38,13 +38,15 @@ acceptance length of a chain of the TTT depth, etau_greedy and etau_sample (`sum
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import rotate_half
 
 from draftsmith.core import checks
@@ -73,9 +75,15 @@ class Eagle3Config:
     # U(-feature_noise, feature_noise) added to every target feature while training, never in eval; 0 = off
     # (speculators' AddUniformNoise, 0.05 by default there before 0.9.0: `add_feature_noise`)
     feature_noise: float = 0.0
+    # the TTT attention kernel: dense (explicit float32 scores, memory ~ T^2: the reference), flex (flex attention
+    # with a block mask, memory ~ T; compiled on CUDA; no backward on CPU), auto = flex on CUDA, dense elsewhere
+    attention: str = "auto"
+    # recompute each TTT step's decoder layer in backward instead of keeping its activations (long sequences)
+    activation_checkpointing: bool = False
 
     def __post_init__(self):
         checks.one_of("method.name", self.name, ("eagle3",))
+        checks.one_of("method.attention", self.attention, ATTENTIONS)
         checks.at_least("method.draft_vocab_size", self.draft_vocab_size, 1)
         checks.at_least("method.ttt_steps", self.ttt_steps, 1)
         checks.positive("method.ttt_decay", self.ttt_decay)
@@ -87,16 +95,27 @@ class Eagle3Config:
 STATS = STEP_STATS + CHAIN_STATS
 OFFLINE_DATA = "hidden_states"  # what mode=offline reads from a data-gen folder: the target's features
 
-def ttt_spans(valid: torch.Tensor, steps: int) -> list[tuple[int, int]]:
+def counted_targets(valid: torch.Tensor, k: int, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(B, T) bool: index t's target at position t + k counts, given valid (B, T) = the positions whose target
+    counts: t + k lies inside the row, is valid and, in a packed row (document_ids (B, T)), in t's own document
+    (a draft from t never reaches across into the next conversation)."""
+    T = valid.shape[1]
+    counted = F.pad(valid[:, k:], (0, min(k, T)))
+    if document_ids is not None:
+        counted = counted & (document_ids == F.pad(document_ids[:, k:], (0, min(k, T)), value=-1))
+    return counted
+
+
+def ttt_spans(valid: torch.Tensor, steps: int, document_ids: Optional[torch.Tensor] = None) -> list[tuple[int, int]]:
     """For each TTT step i, the index range [lo, hi) the step must compute, given valid (B, T) = the
     positions whose target counts: index t of step i is needed when a target t+1+j, j >= i, counts (its
     own or a later step's draft from t is trained). The ranges shrink with i, so each step's later-step
     keys cover the next step's queries. Indices before the first loss-masked position (a prompt) are
-    computed only as step-0 keys: that is the saving."""
+    computed only as step-0 keys: that is the saving. Two host syncs per step: the CPU path's."""
     B, T = valid.shape
     spans, need = [], torch.zeros(T, dtype=torch.bool, device=valid.device)
     for k in range(steps, 0, -1):  # need_i = need_{i+1} | the targets of step i (k = 1 + i)
-        need = need | F.pad(valid[:, k:], (0, min(k, T))).any(0)
+        need = need | counted_targets(valid, k, document_ids).any(0)
         where = torch.nonzero(need).squeeze(1)
         spans.append((int(where[0]), int(where[-1]) + 1) if where.numel() else None)
     spans.reverse()
@@ -107,13 +126,107 @@ def ttt_spans(valid: torch.Tensor, steps: int) -> list[tuple[int, int]]:
     return spans
 
 
+# ---- the step-0 keys' mask and the attention kernels (method.attention) -----------------------------------------
+#
+# Query t (any step) sees the step-0 key s when s <= t, s is a real token (attention_mask) and s lies in t's document
+# (document_ids, packing), and always its own index s = t: a padding query then still has one key (no softmax over
+# nothing, no NaN in a row nobody reads). Each builder takes (attention_mask (B, T), document_ids (B, T) or None,
+# end = the step-0 keys [0, end)) and returns mask(lo, hi): the mask of the queries [lo, hi), what its kernel reads.
+
+def dense_step0_mask(attention_mask: torch.Tensor, document_ids: Optional[torch.Tensor], end: int) -> Callable:
+    """The mask as bools (B, 1, 1, T, end), sliced per step's queries."""
+    T = attention_mask.shape[1]
+    key_ok = attention_mask.bool()[:, None, :end]  # (B, 1, end)
+    if document_ids is not None:
+        key_ok = key_ok & (document_ids[:, :, None] == document_ids[:, None, :end])  # (B, T, end)
+    own = torch.eye(T, end, dtype=torch.bool, device=attention_mask.device)
+    ok = (torch.ones(T, end, dtype=torch.bool, device=attention_mask.device).tril() & (key_ok | own))[:, None, None]
+    return lambda lo, hi: ok[..., lo:hi, :]
+
+
+FLEX_PAD = 128  # flex's block size: its kernels may read the mask's tensors this far past the last index
+
+
+def flex_step0_mask(attention_mask: torch.Tensor, document_ids: Optional[torch.Tensor], end: int) -> Callable:
+    """The mask as a flex BlockMask per query range (built once per range: on the device path every step has the
+    same range [0, T), so one per micro-batch); blocks wholly masked (the future, other documents) are skipped."""
+    B, T = attention_mask.shape
+    key_ok = F.pad(attention_mask.bool(), (0, FLEX_PAD))  # (B, T + pad)
+    doc = F.pad(document_ids if document_ids is not None else torch.zeros_like(attention_mask), (0, FLEX_PAD), value=-1)
+    masks = {}
+
+    def mask(lo: int, hi: int):
+        if (lo, hi) not in masks:
+            def step0_ok(b, h, q_idx, kv_idx):
+                q = q_idx + lo
+                return (kv_idx <= q) & ((key_ok[b, kv_idx] & (doc[b, kv_idx] == doc[b, q])) | (kv_idx == q))
+            masks[lo, hi] = create_block_mask(step0_ok, B, None, hi - lo, end, device=attention_mask.device)
+        return masks[lo, hi]
+    return mask
+
+
+def dense_kernel(q, qg, k0, v0, mask, later, later_values):
+    """Explicit scores over the step-0 keys (B, nkv, rep, n, end) beside the later steps' own-index scores, one
+    softmax over both: the reference (memory grows with n * end)."""
+    s0 = (qg @ k0[:, :, None].transpose(-1, -2)).masked_fill(~mask, float("-inf"))  # (B, nkv, rep, n, end)
+    n0 = s0.shape[-1]
+    w = torch.softmax(torch.cat([s0, *later], dim=-1), dim=-1)
+    y = w[..., :n0] @ v0[:, :, None]  # (B, nkv, rep, n, d)
+    for j, vj in enumerate(later_values):
+        y = y + w[..., n0 + j:n0 + j + 1] * vj
+    return y
+
+
+def flex_kernel(q, qg, k0, v0, mask, later, later_values):
+    """Flex attention over the step-0 keys (memory linear in n), then the later steps' keys merged in exactly:
+    the step-0 block enters the softmax as one score, its logsumexp, with its normalised output as value
+    (softmax over [lse0, s_1 .. s_i] = [Z0, e^s_1 .. e^s_i] / Z). The kernel reads q, k, v in the projections'
+    dtype (bf16 under autocast: tensor cores) and accumulates in float32; the merge runs in qg's dtype."""
+    B, nkv, rep, n, d = qg.shape
+    flex = flex_attention if q.device.type == "cpu" else compiled_flex_attention()
+    o0, aux = flex(q, k0.to(q.dtype), v0.to(q.dtype), block_mask=mask, scale=d ** -0.5, enable_gqa=True,
+                   return_aux=AuxRequest(lse=True))  # (B, nh, n, d), lse (B, nh, n)
+    o0 = o0.to(qg.dtype).view(B, nkv, rep, n, d)  # query head h reads kv head h // rep, as repeat_interleave
+    lse0 = aux.lse.to(qg.dtype).view(B, nkv, rep, n, 1)
+    w = torch.softmax(torch.cat([lse0, *later], dim=-1), dim=-1)  # (B, nkv, rep, n, 1 + i)
+    y = w[..., :1] * o0
+    for j, vj in enumerate(later_values):
+        y = y + w[..., 1 + j:2 + j] * vj
+    return y
+
+
+@cache
+def compiled_flex_attention() -> Callable:
+    """flex_attention compiled (on CUDA it is only fast compiled); compiled on its first call, once per shape
+    family (automatic dynamic shapes after the first change)."""
+    return torch.compile(flex_attention)
+
+
+# method.attention -> (step-0 mask builder, kernel); "auto" resolves by device (`attention_for`)
+ATTENTION = {"dense": (dense_step0_mask, dense_kernel), "flex": (flex_step0_mask, flex_kernel)}
+ATTENTIONS = ("auto", *ATTENTION)
+
+
+def attention_for(name: str, device: torch.device) -> str:
+    """method.attention resolved: auto = flex on CUDA (memory linear in T), dense elsewhere (on CPU the dense
+    kernel is the fast one, and flex has no CPU backward)."""
+    if name == "auto":
+        return "flex" if device.type == "cuda" else "dense"
+    return name
+
+
 def ttt_hidden(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Tensor,
-               attention_mask: torch.Tensor, steps: int, spans: Optional[list[tuple[int, int]]] = None):
+               attention_mask: torch.Tensor, steps: int, spans: Optional[list[tuple[int, int]]] = None,
+               position_ids: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
+               attention: str = "dense", activation_checkpointing: bool = False):
     """Yield the pre-norm hidden (B, hi - lo, H) of each TTT step over its index range [lo, hi) from `spans`
     (`ttt_spans`; default every index); index t of step i drafts x_{t+2+i}. The next step reads it, or with
     head.norm_output its final norm, as `head.forward` hands it on.
 
-    input_ids (B, T) right-padded, hidden (B, T, H) = head.fuse(aux), attention_mask (B, T).
+    input_ids (B, T) right-padded, hidden (B, T, H) = head.fuse(aux), attention_mask (B, T). Packed rows carry
+    position_ids (B, T) (restarting at 0 per document; step i at index t sits at position_ids[t] + i) and
+    document_ids (B, T) (attention stays inside a document); without them a row is one document at 0 .. T-1.
+    `attention`: "dense" or "flex" (`ATTENTION`); activation_checkpointing recomputes each step's layer in backward.
 
     The same maths as `head(tokens, hidden, positions + i, ttt_mask(T, i) & padding, ConcatKVCache)`
     per step (tests/test_train_speed.py checks it in float64), without the dense (T, (i+1)T) mask:
@@ -128,33 +241,57 @@ def ttt_hidden(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Tensor,
     layer = head.midlayer
     ext = F.pad(input_ids[:, 1:], (0, steps))  # step i, index t reads ext[t + i] = x_{t+1+i} (0 past the end)
     emb = layer.input_layernorm(head.embed_tokens(ext).to(hidden.dtype))  # (B, T-1+steps, H)
-    positions = torch.arange(T - 1 + steps, device=input_ids.device)[None].expand(B, -1)
-    cos_all, sin_all = head.rotary_emb(hidden, positions)
+    if position_ids is None:  # one document per row: step i at index t sits at t + i, one table for every step
+        cos_all, sin_all = head.rotary_emb(hidden, torch.arange(T - 1 + steps, device=input_ids.device)[None].expand(B, -1))
+        at = lambda i, lo, hi: slice(i + lo, i + hi)  # noqa: E731 - the table's columns of step i's [lo, hi)
+    else:  # packed: positions restart per document, step i at index t sits at position_ids[t] + i
+        shifted = position_ids[:, None, :] + torch.arange(steps, device=input_ids.device)[:, None]  # (B, steps, T)
+        cos_all, sin_all = head.rotary_emb(hidden, shifted.flatten(1))  # (B, steps * T, d)
+        at = lambda i, lo, hi: slice(i * T + lo, i * T + hi)  # noqa: E731
     end = spans[0][1]  # no query of any step lies at or past step 0's range end
-    causal = torch.ones(T, end, dtype=torch.bool, device=input_ids.device).tril()
-    step0_ok = (causal & attention_mask.bool()[:, None, :end])[:, None, None]  # (B, 1, 1, T, end)
-    keys, values, los = [], [], []
+    build_mask, kernel = ATTENTION[attention]
+    step0_mask = build_mask(attention_mask, document_ids, end)
     x0 = torch.cat([emb[:, :end], layer.hidden_norm(hidden[:, :end])], dim=-1)  # step 0's input, (B, end, 2H)
+    keys, values, los = [], [], []
     prev_lo = 0
     for i, (lo, hi) in enumerate(spans):
         h_in = hidden[:, lo - prev_lo:hi - prev_lo]  # this range of the previous step's output (or of fc(f))
-        if i > 0 and head.norm_output:
-            h_in = head.norm(h_in)  # what the previous step hands on with norm_output (vLLM's aux_output)
-        x = x0[:, lo:hi] if i == 0 else torch.cat([emb[:, i + lo:i + hi], layer.hidden_norm(h_in)], dim=-1)
-        attn = ttt_attention(layer.self_attn, x, cos_all[:, i + lo:i + hi], sin_all[:, i + lo:i + hi], keys, values,
-                             los, lo, step0_ok[..., lo:hi, :], x0 if i == 0 else None, cos_all[:, :end], sin_all[:, :end])
-        h = h_in + attn
-        hidden = h + layer.mlp(layer.post_attention_layernorm(h))
+        first = (x0, cos_all[:, at(0, 0, end)], sin_all[:, at(0, 0, end)]) if i == 0 else (None, None, None)
+        args = (head, i, h_in, emb[:, i + lo:i + hi], cos_all[:, at(i, lo, hi)], sin_all[:, at(i, lo, hi)],
+                step0_mask(lo, hi), kernel, tuple(keys), tuple(values), tuple(los), lo, *first)
+        if activation_checkpointing:  # keep only the step's output, k and v; recompute the rest in backward
+            hidden, k, v = checkpoint(ttt_step, *args, use_reentrant=False)
+        else:
+            hidden, k, v = ttt_step(*args)
+        keys.append(k)
+        values.append(v)
+        los.append(0 if i == 0 else lo)
         prev_lo = lo
         yield hidden
 
 
-def ttt_attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list, values: list,
-                  los: list, lo: int, step0_ok: torch.Tensor, x0: Optional[torch.Tensor] = None,
-                  cos0: Optional[torch.Tensor] = None, sin0: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Attention of one TTT step over the query indices [lo, lo + len(x)) (appends this step's k, v and lo
-    to `keys` / `values` / `los`): query t sees the step-0 keys allowed by `step0_ok` and, in each later
-    step, the key of its own index t. Step 0 passes x0, its input at every index from 0, for its keys.
+def ttt_step(head: Eagle3Head, i: int, h_in: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             mask, kernel: Callable, keys: tuple, values: tuple, los: tuple, lo: int,
+             x0: Optional[torch.Tensor] = None, cos0: Optional[torch.Tensor] = None, sin0: Optional[torch.Tensor] = None):
+    """TTT step i's decoder layer over its queries [lo, lo + n): h_in (B, n, H) the previous step's output (or fc(f)),
+    emb (B, n, H) the normed embeddings of its tokens. Returns (its pre-norm output (B, n, H), its keys and values).
+    A pure function of its arguments (the earlier steps' keys come in as tuples), so checkpointing can rerun it."""
+    layer = head.midlayer
+    if i > 0 and head.norm_output:
+        h_in = head.norm(h_in)  # what the previous step hands on with norm_output (vLLM's aux_output)
+    x = x0[:, lo:lo + h_in.shape[1]] if i == 0 else torch.cat([emb, layer.hidden_norm(h_in)], dim=-1)  # (B, n, 2H)
+    attn, k, v = ttt_attention(layer.self_attn, x, cos, sin, mask, kernel, keys, values, los, lo, x0, cos0, sin0)
+    h = h_in + attn
+    return h + layer.mlp(layer.post_attention_layernorm(h)), k, v
+
+
+def ttt_attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask, kernel: Callable,
+                  keys: tuple, values: tuple, los: tuple, lo: int, x0: Optional[torch.Tensor] = None,
+                  cos0: Optional[torch.Tensor] = None, sin0: Optional[torch.Tensor] = None):
+    """Attention of one TTT step over the query indices [lo, lo + len(x)): query t sees the step-0 keys allowed by
+    `mask` and, in each later step, the key of its own index t. keys / values / los: the earlier steps' (each
+    step's lo; 0 for step 0). Step 0 passes x0, its input at every index from 0, for its keys. Returns (the output,
+    this step's k and v).
 
     Scores, softmax and the weighted sum run in at least float32 with autocast off (they are small:
     (T, T + i) per head), so bf16 training rounds only the projections."""
@@ -167,53 +304,62 @@ def ttt_attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
     q = q * cos[:, None] + rotate_half(q) * sin[:, None]
     k = k * kv_cos[:, None] + rotate_half(k) * kv_sin[:, None]
     acc = torch.promote_types(q.dtype, torch.float32)
-    keys.append(k.to(acc))
-    values.append(v.to(acc))
-    los.append(0 if x0 is not None else lo)
+    k, v = k.to(acc), v.to(acc)
+    # step 0 reads its own keys; step i > 0 the step-0 keys and the later steps' 1 .. i (its own the last)
+    k0, v0 = (k, v) if x0 is not None else (keys[0], values[0])
+    later_k, later_v, later_lo = ((), (), ()) if x0 is not None else (keys[1:] + (k,), values[1:] + (v,), los[1:] + (lo,))
     with torch.autocast(device_type=x.device.type, enabled=False):
         # head h reads kv head h // rep (repeat_interleave's order): group the query heads by kv head
         qg = q.to(acc).reshape(B, nkv, nh // nkv, T, d) * d ** -0.5  # (B, nkv, rep, T, d)
-        s0 = (qg @ keys[0][:, :, None].transpose(-1, -2)).masked_fill(~step0_ok, float("-inf"))  # (B, nkv, rep, T, end)
-        own = [slice(lo - lj, lo - lj + T) for lj in los[1:]]  # this range inside each later step's range
-        later = [(qg * kj[:, :, None, o]).sum(-1, keepdim=True) for kj, o in zip(keys[1:], own)]  # (B, nkv, rep, T, 1)
-        n0 = s0.shape[-1]
-        w = torch.softmax(torch.cat([s0, *later], dim=-1), dim=-1)
-        y = w[..., :n0] @ values[0][:, :, None]  # (B, nkv, rep, T, d)
-        for j, (vj, o) in enumerate(zip(values[1:], own)):
-            y = y + w[..., n0 + j:n0 + j + 1] * vj[:, :, None, o]
+        own = [slice(lo - lj, lo - lj + T) for lj in later_lo]  # this range inside each later step's range
+        later = [(qg * kj[:, :, None, o]).sum(-1, keepdim=True) for kj, o in zip(later_k, own)]  # (B, nkv, rep, T, 1)
+        y = kernel(q, qg, k0, v0, mask, later, [vj[:, :, None, o] for vj, o in zip(later_v, own)])
     y = y.reshape(B, nh, T, d).transpose(1, 2).reshape(B, T, nh * d).to(x.dtype)
-    return attn.o_proj(y)
+    return attn.o_proj(y), k, v
 
 
 def ttt_unroll(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Tensor,
-               attention_mask: torch.Tensor, steps: int):
+               attention_mask: torch.Tensor, steps: int, **options):
     """Yield the draft logits (B, T, Vd) of each TTT step; index t of step i drafts x_{t+2+i} (for tests:
-    the loss takes the logits of the positions that count only)."""
-    for h in ttt_hidden(head, input_ids, hidden, attention_mask, steps):
+    the loss takes the logits of the positions that count only). options: ttt_hidden's."""
+    for h in ttt_hidden(head, input_ids, hidden, attention_mask, steps, **options):
         yield head.lm_head(head.norm(h))
+
+
+# the soft-CE's temporaries per chunk off the CPU: about 3 (rows, Vd) float32 tensors within this budget
+LOSS_CHUNK_BYTES = 512 * 2 ** 20
+
+
+def loss_chunk_rows(device: torch.device, vocab: int) -> int:
+    """SoftCE's rows per chunk: 32 on the CPU (the chunk stays in cache), else as many as LOSS_CHUNK_BYTES holds
+    (a GPU wants few, large kernels)."""
+    if device.type == "cpu":
+        return SoftCE.CHUNK
+    return max(SoftCE.CHUNK, LOSS_CHUNK_BYTES // (3 * 4 * vocab))
 
 
 class SoftCE(torch.autograd.Function):
     """Soft cross-entropy of draft logits (M, Vd) against target probs p (M, Vd), with the statistics.
 
-    One pass over row chunks computes in float32 (float64 stays float64): ce = -sum_v p_v log q_v, the
-    draft's argmax, alpha = sum_v min(q_v, p_v * in_mass) and the gradient of ce with respect to the
-    logits, q * sum(p) - p, kept for backward (which is then one multiply): the log-softmax is computed
-    once, for the loss and the statistics alike. Returns (ce (M,), argmax (M,), alpha (M,)); only ce
-    has a gradient."""
+    One pass over row chunks (`chunk` rows; `loss_chunk_rows` sizes it for the device) computes in float32
+    (float64 stays float64): ce = -sum_v p_v log q_v, the draft's argmax, alpha = sum_v min(q_v, p_v * in_mass)
+    and the gradient of ce with respect to the logits, q * sum(p) - p, kept for backward (which is then one
+    multiply): the log-softmax is computed once, for the loss and the statistics alike. Each row is computed
+    alone, so nothing depends on the chunk size. Returns (ce (M,), argmax (M,), alpha (M,)); only ce has a
+    gradient."""
 
-    CHUNK = 32  # rows per chunk: the chunk's (CHUNK, Vd) temporaries stay in cache
+    CHUNK = 32  # rows per chunk on the CPU: the chunk's (CHUNK, Vd) temporaries stay in cache
 
     @staticmethod
-    def forward(ctx, logits, p, in_mass):
+    def forward(ctx, logits, p, in_mass, chunk: int = CHUNK):
         M, V = logits.shape
         acc = torch.promote_types(logits.dtype, torch.float32)
         grad = torch.empty(M, V, dtype=acc, device=logits.device)
         ce = torch.empty(M, dtype=acc, device=logits.device)
         alpha = torch.empty(M, dtype=acc, device=logits.device)
         top = torch.empty(M, dtype=torch.long, device=logits.device)
-        for a in range(0, M, SoftCE.CHUNK):  # in place on the chunk's own copy: few passes, few allocations
-            b = min(a + SoftCE.CHUNK, M)
+        for a in range(0, M, chunk):  # in place on the chunk's own copy: few passes, few allocations
+            b = min(a + chunk, M)
             z = logits[a:b].to(acc, copy=True)
             pc = p[a:b].to(acc)
             zmax, top[a:b] = z.max(dim=-1)
@@ -234,47 +380,94 @@ class SoftCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce, _top, _alpha):
         (grad,) = ctx.saved_tensors
-        return (grad * grad_ce[:, None].to(grad.dtype)).to(ctx.logits_dtype), None, None
+        return (grad * grad_ce[:, None].to(grad.dtype)).to(ctx.logits_dtype), None, None, None
+
+
+def gathered_rows(h: torch.Tensor, lo: int, counted: torch.Tensor, target: TargetSide, k: int):
+    """The CPU path: only the rows that count, gathered (a host sync each: nonzero). h (B, n, H) over the step's
+    range from lo. Returns (h rows (M, H), their target side (p (M, Vd), in_mass, argmax, in_draft), counted (M,)
+    (all true), place(chain, per_row): multiply a (B, T) chain by per-row values)."""
+    b_idx, t_idx = torch.nonzero(counted, as_tuple=True)  # (M,) the rows that count, inside the step's range
+    rows = (target.probs[b_idx, t_idx + k], target.in_mass[b_idx, t_idx + k], target.argmax[b_idx, t_idx + k],
+            target.argmax_in_draft[b_idx, t_idx + k])
+
+    def place(chain, per_row):
+        chain[b_idx, t_idx] *= per_row
+    return h[b_idx, t_idx - lo], rows, torch.ones_like(b_idx, dtype=torch.bool), place
+
+
+def masked_rows(h: torch.Tensor, lo: int, counted: torch.Tensor, target: TargetSide, k: int):
+    """The device path: every index t < T - k (a view, no host sync), the ones that do not count masked out
+    afterwards. h (B, T, H) over the whole row (lo = 0). Returns what `gathered_rows` does, M = B * (T - k)."""
+    B, T = counted.shape
+    n = max(T - k, 0)  # index t is scored against t + k < T
+
+    def flat(x):  # (B, T - k, ...) -> (B * (T - k), ...)
+        return x.flatten(0, 1)
+    rows = (flat(target.probs[:, k:]), flat(target.in_mass[:, k:]), flat(target.argmax[:, k:]),
+            flat(target.argmax_in_draft[:, k:]))
+
+    def place(chain, per_row):
+        chain[:, :n] *= per_row.view(B, n)
+    return flat(h[:, :n]), rows, flat(counted[:, :n]), place
 
 
 def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 loss_mask: torch.Tensor, aux: torch.Tensor, target: TargetSide,
-                steps: int = 7, decay: float = 0.8) -> tuple[torch.Tensor, torch.Tensor]:
+                steps: int = 7, decay: float = 0.8, position_ids: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None, attention: str = "auto",
+                sync_free: Optional[bool] = None, loss_chunk: Optional[int] = None,
+                activation_checkpointing: bool = False, reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
     """The TTT loss of one micro-batch and its statistics (steps, len(STATS)) for logging.
 
-    Only the positions that count (loss-masked, inside the sequence) go through the final norm,
-    the lm_head and the loss: the others contribute to neither the loss nor the statistics."""
+    reduction "mean" (training): sum_i decay^i * (the mean soft-CE over step i's loss rows); "sum": sum_i decay^i *
+    (their sum), the summed loss, which adds up over conversations (a packed micro-batch's equals the sum of its
+    conversations' one by one). Step i's loss rows: index t whose target t + 1 + i counts (loss-masked, inside
+    the row and, packed, inside t's document: `counted_targets`) and whose target argmax is in the draft vocab.
+
+    position_ids / document_ids (B, T): a packed micro-batch (`ttt_hidden`); absent, each row is one conversation.
+    attention: method.attention (`attention_for`). sync_free (default: off the CPU): compute every index and mask
+    the rows that do not count, with no host sync; else (the CPU path) each step computes only its `ttt_spans`
+    range and gathers the rows that count: less work, a few host syncs. loss_chunk: SoftCE's rows per chunk
+    (default `loss_chunk_rows`). Neither changes the result."""
     B, T = input_ids.shape
+    device = input_ids.device
+    sync_free = device.type != "cpu" if sync_free is None else sync_free
     valid = loss_mask.bool() & attention_mask.bool()  # (B, T): positions whose target counts
     hidden = head.fuse(aux)  # (B, T, H)
     loss = hidden.new_zeros((), dtype=torch.float32)
     acc = torch.promote_types(hidden.dtype, torch.float32)
-    chain_ok = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)  # anchors whose targets so far all count
-    chain_correct = torch.ones(B, T, dtype=acc, device=input_ids.device)  # prod of [draft argmax right] so far
-    chain_alpha = torch.ones(B, T, dtype=acc, device=input_ids.device)  # prod of alpha so far
+    chain_ok = torch.ones(B, T, dtype=torch.bool, device=device)  # anchors whose targets so far all count
+    chain_correct = torch.ones(B, T, dtype=acc, device=device)  # prod of [draft argmax right] so far
+    chain_alpha = torch.ones(B, T, dtype=acc, device=device)  # prod of alpha so far
+    chunk = loss_chunk or loss_chunk_rows(device, head.lm_head.out_features)
+    spans = [(0, T)] * steps if sync_free else ttt_spans(valid, steps, document_ids)
+    rows_of = masked_rows if sync_free else gathered_rows
     stats = []
-    spans = ttt_spans(valid, steps)
-    for i, h in enumerate(ttt_hidden(head, input_ids, hidden, attention_mask, steps, spans)):
+    unroll = ttt_hidden(head, input_ids, hidden, attention_mask, steps, spans, position_ids, document_ids,
+                        attention_for(attention, device), activation_checkpointing)
+    for i, h in enumerate(unroll):
         k = 1 + i  # index t is scored against the target at position t + k
-        m_metric = F.pad(valid[:, k:], (0, min(k, T)))  # (B, T): index t's target counts
-        b_idx, t_idx = torch.nonzero(m_metric, as_tuple=True)  # (M,) the rows that count, inside step i's span
-        logits = head.lm_head(head.norm(h[b_idx, t_idx - spans[i][0]]))  # (M, Vd)
-        p = target.probs[b_idx, t_idx + k]  # (M, Vd)
-        in_draft = target.argmax_in_draft[b_idx, t_idx + k]  # (M,) the loss's rows
-        ce, top, alpha = SoftCE.apply(logits, p, target.in_mass[b_idx, t_idx + k])
-        n_loss = in_draft.sum()
-        loss_i = (ce * in_draft).sum() / n_loss.clamp(min=1)
-        loss = loss + decay ** i * loss_i
+        m_metric = counted_targets(valid, k, document_ids)  # (B, T): index t's target counts
+        h_rows, (p, in_mass, argmax, in_draft), counted, place = rows_of(h, spans[i][0], m_metric, target, k)
+        logits = head.lm_head(head.norm(h_rows))  # (M, Vd)
+        ce, top, alpha = SoftCE.apply(logits, p, in_mass, chunk)
+        in_loss = in_draft & counted  # (M,) the loss's rows
+        n_loss = in_loss.sum()
+        ce_sum = (ce * in_loss).sum()
+        loss_i = ce_sum / n_loss.clamp(min=1)
+        loss = loss + decay ** i * (loss_i if reduction == "mean" else ce_sum)
         with torch.no_grad():
-            correct = head.draft_to_target(top) == target.argmax[b_idx, t_idx + k]  # (M,)
+            correct = (head.draft_to_target(top) == argmax) & counted  # (M,)
             chain_ok &= m_metric
-            chain_correct[b_idx, t_idx] *= correct.to(acc)
-            chain_alpha[b_idx, t_idx] *= alpha.to(acc)
+            place(chain_correct, correct.to(acc))
+            place(chain_alpha, alpha.to(acc))
             chain_correct *= m_metric
             chain_alpha *= m_metric
             stats.append(torch.stack([loss_i.detach().float() * n_loss, n_loss.float(), correct.sum().float(),
-                                      alpha.float().sum(), m_metric.sum().float(), (~in_draft).sum().float(),
-                                      chain_correct.sum().float(), chain_alpha.sum().float(), chain_ok.sum().float()]))
+                                      (alpha * counted).float().sum(), m_metric.sum().float(),
+                                      (counted & ~in_draft).sum().float(), chain_correct.sum().float(),
+                                      chain_alpha.sum().float(), chain_ok.sum().float()]))
     return loss, torch.stack(stats)
 
 
@@ -299,19 +492,25 @@ class Eagle3Step(nn.Module):
     """The trainable module the trainer wraps: the drafter plus its loss (the target stays outside).
 
     forward(batch) -> (loss, stats); batch holds input_ids, attention_mask, loss_mask, aux and the
-    TargetSide computed by `TargetHead` beforehand. `drafter` is what checkpoints and final/ hold.
+    TargetSide computed by `TargetHead` beforehand, and for a packed micro-batch position_ids and document_ids
+    (B, T) (`eagle3_loss`). `drafter` is what checkpoints and final/ hold.
     With feature_noise > 0 the features are noised in training mode only: the trainer's held-out evaluation runs the
     module in eval mode, on the clean features (as speculators noises its training set, not its validation set).
     """
 
-    def __init__(self, drafter: Eagle3Head, steps: int, decay: float, feature_noise: float = 0.0):
+    def __init__(self, drafter: Eagle3Head, steps: int, decay: float, feature_noise: float = 0.0,
+                 attention: str = "auto", activation_checkpointing: bool = False):
         super().__init__()
         self.drafter, self.steps, self.decay, self.feature_noise = drafter, steps, decay, feature_noise
+        self.attention, self.activation_checkpointing = attention, activation_checkpointing
 
-    def forward(self, input_ids, attention_mask, loss_mask, aux, target: TargetSide):
+    def forward(self, input_ids, attention_mask, loss_mask, aux, target: TargetSide, position_ids=None,
+                document_ids=None):
         if self.training and self.feature_noise > 0:  # off: nothing is drawn, the step is the one without noise
             aux = add_feature_noise(aux.to(self.drafter.fc.weight.dtype), self.feature_noise)  # in the weights' dtype
-        return eagle3_loss(self.drafter, input_ids, attention_mask, loss_mask, aux, target, self.steps, self.decay)
+        return eagle3_loss(self.drafter, input_ids, attention_mask, loss_mask, aux, target, self.steps, self.decay,
+                           position_ids, document_ids, self.attention,
+                           activation_checkpointing=self.activation_checkpointing and torch.is_grad_enabled())
 
 
 # ---- the method table's entry points (draftsmith.core.methods) ----------------------------------------
@@ -330,7 +529,8 @@ def eagle3_training(head: Eagle3Head, target, cfg: Eagle3Config, mode: str,
                     autocast: Callable) -> tuple[Eagle3Step, Callable[[dict], dict]]:
     """(the module to train, `prepare(batch)`): prepare adds the target side under no_grad:
     features (online: the target runs; offline: the batch carries them) and its distributions."""
-    return (Eagle3Step(head, cfg.ttt_steps, cfg.ttt_decay, cfg.feature_noise),
+    return (Eagle3Step(head, cfg.ttt_steps, cfg.ttt_decay, cfg.feature_noise, cfg.attention,
+                       cfg.activation_checkpointing),
             target_prepare(head.t2d, target, mode, autocast))
 
 
