@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
+from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import rotate_half
 
 from draftsmith.core import checks
@@ -539,3 +540,94 @@ Config = Eagle3Config
 new_drafter = new_eagle3
 training = eagle3_training
 summarize = partial(summarize_steps, columns=STATS)  # metrics and E[tau] from the summed statistics
+
+
+# ---- the check of the memory-efficient attention against the dense one (tests on the CPU; on CUDA the GPU check,
+# benchmarks/gpu_train_check.py, where flex has a backward) --------------------------------------------------------
+
+def tiny_eagle3_head(device="cpu", dtype=torch.float64, seed: int = 0, **norms) -> Eagle3Head:
+    """A random EAGLE-3 head (hidden 128, 4 query / 2 KV heads of 32, vocab 256, draft vocab 96) with weights that
+    look trained (no zero or unit tensor) and a random draft vocab."""
+    target_config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                num_key_value_heads=2, max_position_embeddings=512)
+    head = Eagle3Head(eagle3_config_from_target(target_config, 96, **norms))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        used = torch.randperm(256, generator=g)[:96].sort().values  # the draft vocab's target ids
+        head.d2t.copy_(used - torch.arange(96))
+        head.t2d.zero_()[used] = True
+    return head.to(device=device, dtype=dtype)
+
+
+def random_conversation(head: Eagle3Head, length: int, g: torch.Generator, dtype=torch.float64) -> dict:
+    """One conversation's rows (length,) on the CPU: tokens, features, target side; its first quarter a prompt."""
+    V, Vd = head.config.vocab_size, head.config.draft_vocab_size
+    argmax = torch.randint(0, V, (length,), generator=g)
+    return {"input_ids": torch.randint(0, V, (length,), generator=g),
+            "loss_mask": (torch.arange(length) >= length // 4).long(),
+            "aux": torch.randn(length, head.fc.in_features, generator=g, dtype=dtype),
+            "probs": torch.softmax(torch.randn(length, Vd, generator=g, dtype=dtype) * 2, -1),
+            "in_mass": torch.rand(length, generator=g, dtype=dtype),
+            "argmax": argmax, "argmax_in_draft": head.t2d.cpu()[argmax]}
+
+
+def pack(conversations: list[dict], rows: list[list[int]], T: int, device="cpu", documents: bool = True) -> dict:
+    """A micro-batch (B = len(rows), T): row r holds conversations rows[r] one after the other, then padding
+    (attention_mask 0, a document id of its own). documents=False: one conversation per row, no position_ids or
+    document_ids (each row then must hold one). Returns Eagle3Step.forward's keyword arguments."""
+    B = len(rows)
+    first = conversations[0]
+    out = {"input_ids": torch.zeros(B, T, dtype=torch.long), "attention_mask": torch.zeros(B, T, dtype=torch.long),
+           "loss_mask": torch.zeros(B, T, dtype=torch.long), "position_ids": torch.zeros(B, T, dtype=torch.long),
+           "document_ids": torch.zeros(B, T, dtype=torch.long),
+           "aux": first["aux"].new_zeros(B, T, first["aux"].shape[-1])}
+    side = {name: first[name].new_zeros(B, T, *first[name].shape[1:])
+            for name in ("probs", "in_mass", "argmax", "argmax_in_draft")}
+    for r, members in enumerate(rows):
+        at = 0
+        for d, c in enumerate(members):
+            n = conversations[c]["input_ids"].shape[0]
+            for name in ("input_ids", "loss_mask", "aux"):
+                out[name][r, at:at + n] = conversations[c][name]
+            for name in side:
+                side[name][r, at:at + n] = conversations[c][name]
+            out["attention_mask"][r, at:at + n] = 1
+            out["position_ids"][r, at:at + n] = torch.arange(n)
+            out["document_ids"][r, at:at + n] = d
+            at += n
+        out["document_ids"][r, at:] = len(members)
+    if not documents:
+        del out["position_ids"], out["document_ids"]
+    out = {name: x.to(device) for name, x in out.items()}
+    out["target"] = TargetSide(**{name: x.to(device) for name, x in side.items()})
+    return out
+
+
+def check_attention_against_dense(device="cpu", dtype=torch.float32, grads: bool = True,
+                                  activation_checkpointing: bool = False, steps: int = 3, **options) -> dict:
+    """The EAGLE-3 step with method.attention=flex against dense on one packed micro-batch (2 rows, 5 conversations,
+    padding, prompts): the largest absolute differences of the loss, the statistics and (grads=True: flex has no
+    CPU backward, so on CUDA only) every gradient, and the largest gradient for scale. options: eagle3_loss's
+    (sync_free, ...). Float64 on the CPU agrees to ~1e-15; float32 on CUDA to float32 rounding."""
+    device = torch.device(device)
+    head = tiny_eagle3_head(device, dtype)
+    g = torch.Generator().manual_seed(1)
+    conversations = [random_conversation(head, n, g, dtype) for n in (9, 14, 5, 11, 7)]
+    batch = pack(conversations, [[0, 1], [2, 3, 4]], 30, device)
+    results = []
+    for attention in ("dense", "flex"):
+        head.zero_grad(set_to_none=True)
+        with torch.set_grad_enabled(grads):
+            loss, stats = eagle3_loss(head, **batch, steps=steps, attention=attention,
+                                      activation_checkpointing=activation_checkpointing, **options)
+        if grads:
+            loss.backward()
+        results.append((loss.detach(), stats, {n: p.grad.clone() for n, p in head.named_parameters()
+                                               if p.grad is not None}))
+    (loss_d, stats_d, grads_d), (loss_f, stats_f, grads_f) = results
+    assert grads_d.keys() == grads_f.keys()
+    return {"loss": float((loss_d - loss_f).abs()), "stats": float((stats_d - stats_f).abs().max()),
+            "grad": max((float((grads_d[n] - grads_f[n]).abs().max()) for n in grads_d), default=0.0),
+            "grad_scale": max((float(grads_d[n].abs().max()) for n in grads_d), default=0.0)}
