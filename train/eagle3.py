@@ -18,10 +18,18 @@ So index t at step i is exactly what the drafter computes autoregressively after
 from position t (tests/test_train_eagle3.py checks this against a step-by-step decode, and
 tests/test_train_speed.py the whole step against the head's own forward with the dense mask).
 
-Each step runs the decoder layer only over the indices a counted target needs (`ttt_spans`: a prompt
-before the first loss-masked position is computed once, as step-0 keys), and only the positions that
-count pass the final norm, the lm_head and the loss (`SoftCE`: one pass over
-row chunks for the loss, its gradient and the statistics).
+The step has two paths with the same maths (tests/test_train_eagle3_gpu_step.py checks them in float64).
+The CPU path (the default there) runs each step's decoder layer only over the indices a counted target needs
+(`ttt_spans`: a prompt before the first loss-masked position is computed once, as step-0 keys) and gathers only
+the positions that count into the final norm, the lm_head and the loss; that costs a few host syncs per step. The
+device path (`sync_free`, the default off the CPU) computes every index and masks the rows that do not count: no
+host sync in the step. `SoftCE` is one pass over row chunks for the loss, its gradient and the statistics, 32 rows
+on the CPU, larger on a GPU (`loss_chunk_rows`).
+
+method.attention picks the kernel over the step-0 keys (`ATTENTION`): dense (explicit float32 scores, memory ~ T^2:
+the reference and the CPU's) or flex (flex attention with a block mask, memory ~ T: auto on CUDA). A packed
+micro-batch (several conversations per row) carries position_ids and document_ids: positions restart per document,
+attention and TTT targets stay inside one. method.activation_checkpointing recomputes each step's layer in backward.
 
 Options beyond the TTT depth and decay (all off by default): the EAGLE-3.1 norms of the head (heads/eagle3.py:
 `norm_before_fc`, `fc_norm`, `norm_output`) and `feature_noise`, uniform noise on the target's features while
