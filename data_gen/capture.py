@@ -43,6 +43,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
+from draftsmith.core import DraftsmithError
 from draftsmith.core.artifacts import atomic_write_bytes, atomic_write_json
 from draftsmith.data_gen.target import torch_dtype
 from draftsmith.core.progress import progress
@@ -274,7 +275,12 @@ def capture_hidden_states(target, input_ids: list[list[int]], folder: str | Path
         """On the writer thread: write shard s, then record it (only this thread touches `done` meanwhile)."""
         if ready is not None:
             ready.synchronize()  # the pinned copies of this shard have landed
-        nbytes = _write_shard(folder / shard_name(s), tensors)
+        try:
+            nbytes = _write_shard(folder / shard_name(s), tensors)
+        except DraftsmithError:  # (atomic_write_bytes names the file already: a full disk, ...)
+            raise
+        except Exception as e:  # raised in the caller: one sentence, not the writer thread's traceback
+            raise DraftsmithError(f"capture could not write {folder / shard_name(s)} ({type(e).__name__}: {e}).") from e
         done[s] = captured[s] = {"file": shard_name(s), "first": first, "count": count, "bytes": nbytes}
         if world == 1:
             atomic_write_json(folder / INDEX, {**header, "shards": [done[k] for k in sorted(done)], "complete": False})
