@@ -195,8 +195,8 @@ def flex_kernel(q, qg, k0, v0, mask, later, later_values):
     flex = flex_attention if q.device.type == "cpu" else compiled_flex_attention()
     o0, aux = flex(q, k0.to(q.dtype), v0.to(q.dtype), block_mask=mask, scale=d ** -0.5, enable_gqa=True,
                    return_aux=AuxRequest(lse=True))  # (B, nh, n, d), lse (B, nh, n)
-    o0 = o0.to(qg.dtype).view(B, nkv, rep, n, d)  # query head h reads kv head h // rep, as repeat_interleave
-    lse0 = aux.lse.to(qg.dtype).view(B, nkv, rep, n, 1)
+    o0 = o0.to(qg.dtype).reshape(B, nkv, rep, n, d)  # query head h reads kv head h // rep, as repeat_interleave
+    lse0 = aux.lse.to(qg.dtype).reshape(B, nkv, rep, n, 1)
     w = torch.softmax(torch.cat([lse0, *later], dim=-1), dim=-1)  # (B, nkv, rep, n, 1 + i)
     y = w[..., :1] * o0
     for j, vj in enumerate(later_values):
@@ -439,6 +439,7 @@ def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, attention_mask: torch
     the rows that do not count, with no host sync; else (the CPU path) each step computes only its `ttt_spans`
     range and gathers the rows that count: less work, a few host syncs. loss_chunk: SoftCE's rows per chunk
     (default `loss_chunk_rows`). Neither changes the result."""
+    checks.one_of("reduction", reduction, ("mean", "sum"))
     B, T = input_ids.shape
     device = input_ids.device
     sync_free = device.type != "cpu" if sync_free is None else sync_free
@@ -614,16 +615,17 @@ def pack(conversations: list[dict], rows: list[list[int]], T: int, device="cpu",
 
 
 def check_attention_against_dense(device="cpu", dtype=torch.float32, grads: bool = True,
-                                  activation_checkpointing: bool = False, steps: int = 3, **options) -> dict:
-    """The EAGLE-3 step with method.attention=flex against dense on one packed micro-batch (2 rows, 5 conversations,
-    padding, prompts): the largest absolute differences of the loss, the statistics and (grads=True: flex has no
+                                  activation_checkpointing: bool = False, steps: int = 3, scale: int = 1,
+                                  **options) -> dict:
+    """The EAGLE-3 step with method.attention=flex against dense on one packed micro-batch (2 rows of T = 30 * scale,
+    5 conversations, padding, prompts; scale >= 5 spans several of flex's 128-token blocks): the largest absolute differences of the loss, the statistics and (grads=True: flex has no
     CPU backward, so on CUDA only) every gradient, and the largest gradient for scale. options: eagle3_loss's
     (sync_free, ...). Float64 on the CPU agrees to ~1e-15; float32 on CUDA to float32 rounding."""
     device = torch.device(device)
     head = tiny_eagle3_head(device, dtype)
     g = torch.Generator().manual_seed(1)
-    conversations = [random_conversation(head, n, g, dtype) for n in (9, 14, 5, 11, 7)]
-    batch = pack(conversations, [[0, 1], [2, 3, 4]], 30, device)
+    conversations = [random_conversation(head, n * scale, g, dtype) for n in (9, 14, 5, 11, 7)]
+    batch = pack(conversations, [[0, 1], [2, 3, 4]], 30 * scale, device)
     results = []
     for attention in ("dense", "flex"):
         head.zero_grad(set_to_none=True)
