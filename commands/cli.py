@@ -148,6 +148,73 @@ def option_help(command: str, config_name: str, overrides: list[str] = ()) -> st
     return "\n".join(lines)
 
 
+# Characters Hydra's override grammar reads only inside quotes; a line break it never reads
+NEEDS_QUOTES = "!\"#&'();<=>[]^`{}~"
+# The options that name a file or folder (their last part), where `~` means the home folder to a user
+PATH_OPTIONS = {"out", "path", "head", "data", "report", "resume", "target_dir", "verifier", "name", "base_model"}
+
+
+def option_doc(config_name: str, key: str) -> str:
+    """What option `key` takes (its description up to the first ';'), or '' where the stage has no such option."""
+    import draftsmith.configs as configs
+
+    try:
+        rows = option_rows(configs.schema(config_name), configs.compose(config_name, []))
+        doc = next((d for name, _, d in rows if name == key), "")
+    except Exception:  # (only a sentence's hint: an option that cannot be composed has none)
+        return ""
+    return doc.removesuffix(" (required)").split(";")[0].strip()
+
+
+def override_error(command: str, config_name: str, override: str) -> str:
+    """One sentence for an override Hydra cannot parse: the option, its value (line breaks shown as \\n), what is
+    wrong with it and what would work; never the parser's own exception."""
+    from pathlib import Path
+
+    key, eq, value = override.partition("=")
+    if not eq:
+        return (f"{override!r} is not an option setting: write key=value (draftsmith {command} --help lists the "
+                f"options).")
+    option = key.lstrip("+~")
+    shown = f"{key}=" + value.replace("\r", "\\r").replace("\n", "\\n")
+    doc = option_doc(config_name, option)
+    takes = f"{option} takes {doc}" if doc else f"{option} takes a value without it"
+    if "\n" in value or "\r" in value:
+        return f"{shown} holds a line break, and an option's value is one line: {takes}, so write it on one line."
+    is_path = option.rsplit(".", 1)[-1] in PATH_OPTIONS or any(w in doc for w in ("folder", "file", "path"))
+    if "~" in value and is_path:
+        home = str(Path.home())
+        example = home + value.split("~", 1)[1] if value.startswith("~/") and len(value) > 2 else f"{home}/runs/{command}"
+        return (f"{shown} holds '~', which draftsmith does not expand to your home folder (and Hydra reads it "
+                f"only quoted): write the full path instead, e.g. {option}={example}.")
+    char = next((c for c in value if c in NEEDS_QUOTES), None)
+    if char is None or (char in "[]{}" and not is_path):
+        return (f"{shown} cannot be read as an option setting: check its brackets and quotes (a list is written "
+                f"{option}=[a,b]; {takes}).")
+    quoted = value.replace("'", "\\'")
+    if is_path:
+        return (f"{shown} holds {char!r}, which Hydra reads only inside quotes: quote the whole value, e.g. "
+                f"\"{key}='{quoted}'\" in the shell.")
+    return (f"{shown} holds {char!r}, which Hydra reads only inside quotes: {takes}, so leave the {char!r} out (or "
+            f"quote the whole value, \"{key}='{quoted}'\", if it belongs there).")
+
+
+def check_overrides(command: str, config_name: str, overrides) -> None:
+    """Refuse the first override Hydra's grammar cannot parse (`out=~`, a value holding ';' or a line break) with
+    one sentence (override_error), before Hydra's own exception could reach the user."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    from draftsmith.core import DraftsmithError
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_overrides([override])
+        except OverrideParseException:
+            raise DraftsmithError(override_error(command, config_name, override)) from None
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("--version", "-V", "version"):
@@ -174,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
             print(version())
             sys.exit(0)
         if "-h" in overrides or "--help" in overrides:
+            check_overrides(command, config_name, [o for o in overrides if not o.startswith("-")])
             print(option_help(command, config_name, overrides))
             sys.exit(0)
         # Build and check the config before any work: a bad value, type or key is one sentence, exit 2.
@@ -185,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
             args = None  # Hydra reports its own usage error below
         if args is not None and not any(getattr(args, flag, None) for flag in HYDRA_OWN):
             from draftsmith.configs import compose
+
+            check_overrides(command, config_name, args.overrides)
 
             compose(config_name, args.overrides, missing_ok=bool(args.cfg))
     except DraftsmithError as e:

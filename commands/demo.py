@@ -233,10 +233,15 @@ def run_stages(cfg, s: dict, out: Path, before_train=None) -> dict:
     return result
 
 
-def prepare_demo_folder(out: Path, overwrite: bool) -> None:
-    """Check `out` and its stage folders before any work, then mark them as the demo's (and the stages')."""
-    for stage, name in FOLDERS.items():  # each stage's folder: new, empty or that stage's own (before any work)
+def check_demo_folder(out: Path, overwrite: bool) -> None:
+    """Check `out`'s stage folders before any work: each new, empty or that stage's own (in a user's folder, with
+    overwrite=true, none of the user's files under a name that stage writes)."""
+    for stage, name in FOLDERS.items():
         mf.prepare_output(out / name, stage, overwrite=overwrite)
+
+
+def prepare_demo_folder(out: Path, overwrite: bool) -> None:
+    """Mark `out` and its stage folders (checked: check_demo_folder) as the demo's (and the stages')."""
     mf.claim_output(out, "demo")
     mf.clean_temporaries(out, ("config.yaml", "*.done.json", "demo_summary.json", mf.OWNER))  # a killed run's leftovers
     if overwrite:  # the stages then write into these folders as their own
@@ -251,10 +256,11 @@ def run(cfg: DemoConfig) -> dict:
     s = sizes(cfg)
     overwrite = cfg.overwrite
     out = mf.prepare_output(cfg.out, "demo", overwrite=overwrite)
-    prepare_demo_folder(out, overwrite)
-    if s["budget"]:
-        mf.prepare_output(out / "calibration", "demo", overwrite=overwrite)
-        prepare_demo_folder(out / "calibration", overwrite)
+    folders = [out, *([mf.prepare_output(out / "calibration", "demo", overwrite=overwrite)] if s["budget"] else [])]
+    for folder in folders:  # every folder is checked before the first is claimed
+        check_demo_folder(folder, overwrite)
+    for folder in folders:
+        prepare_demo_folder(folder, overwrite)
     atomic_write_bytes(out / "config.yaml", OmegaConf.to_yaml(cfg).encode())
     t_all = time.perf_counter()
     plan = None

@@ -82,6 +82,10 @@ class PublishConfig:
                 checks.one_of("formats", fmt, export_formats())
             if len(set(formats)) != len(formats):
                 raise DraftsmithError(f"formats={formats} names a format twice.")
+        if self.base_model is not None:
+            check_base_model(self.base_model)
+        if self.license is not None:
+            check_license(self.license)
         checks.at_least("num_speculative_tokens", self.num_speculative_tokens, 1, null="the eval report's K")
         checks.one_of("dtype", self.dtype, DTYPES)
         checks.positive("hub_timeout", self.hub_timeout)
@@ -102,6 +106,32 @@ def check_repo_id(repo_id) -> str:
         text = ""
     if text.count("/") != 1 or not re.fullmatch(r"[\w.-]+/[\w.-]+", text):
         raise DraftsmithError(f"repo_id={repo_id!r} is not a valid Hub repo id; write it as {REPO_ID_RULE}.")
+    return text
+
+
+def check_base_model(value) -> str:
+    """base_model= as the target's Hub id `<owner>/<name>`, or one sentence about that value (a local path, a GGUF
+    file or anything else is not an id the card and the serving commands can name)."""
+    text = str(value)
+    if text.startswith((".", "/", "~")) or ".." in text or text.endswith(".gguf"):
+        why = "a local path"
+    elif text.count("/") != 1 or not re.fullmatch(r"[\w.-]+/[\w.-]+", text):
+        why = "not <owner>/<name>"
+    else:
+        try:
+            return check_repo_id(text)
+        except DraftsmithError:
+            why = f"not {REPO_ID_RULE}"
+    raise DraftsmithError(f"base_model={text!r} is not a Hub model id ({why}); pass base_model=<owner>/<name>, the "
+                          f"target's id on the Hub (e.g. HuggingFaceTB/SmolLM2-135M-Instruct).")
+
+
+def check_license(value) -> str:
+    """license= as a Hub license id (apache-2.0, mit, llama3.1, other, ...), or one sentence about that value."""
+    text = str(value)
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.+_-]{0,63}", text):
+        raise DraftsmithError(f"license={text!r} is not a Hub license id; pass one such as license=apache-2.0, "
+                              f"license=mit or license=other (letters, digits, '.', '-', '+' and '_').")
     return text
 
 
@@ -174,6 +204,11 @@ def resolve_base_model(cfg, target: dict) -> tuple[str, str]:
     """(the target's Hub id, the card's license), refused with one sentence when neither is known."""
     target_id = str(target.get("target_id") or "")
     known_id, known_license = KNOWN_TARGETS.get(target_id, (None, None))
+    if cfg.base_model:  # the value given is checked as itself (PublishConfig checked its form)
+        if Path(cfg.base_model).exists():
+            raise DraftsmithError(f"base_model={cfg.base_model!r} is a local path, not a Hub model id; pass "
+                                  f"base_model=<owner>/<name>, the target's id on the Hub.")
+        check_base_model(cfg.base_model)
     base = cfg.base_model or known_id or target_id
     if not base or Path(base).exists() or base.endswith(".gguf") or base.count("/") != 1:
         raise DraftsmithError(f"the head's target {target_id or '(unknown)'!r} is not a Hub model id; pass "
@@ -566,16 +601,29 @@ def hub_errors() -> tuple[type, ...]:
     return tuple(errors)
 
 
-def hub_offline() -> bool:
-    """HF_HUB_OFFLINE set (as huggingface_hub read it at import, or in the environment now)."""
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")  # either turns huggingface_hub offline
+
+
+def offline_variables() -> list[str]:
+    """The variables that turn the Hub off, as set in the environment now; ["HF_HUB_OFFLINE"] where huggingface_hub
+    read offline mode at import but neither is set now (it no longer says which)."""
     from huggingface_hub import constants
 
-    return bool(getattr(constants, "HF_HUB_OFFLINE", False)) or \
-        os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+    set_now = [v for v in OFFLINE_VARIABLES if os.environ.get(v, "").strip().upper() in ("1", "ON", "YES", "TRUE")]
+    return set_now or (["HF_HUB_OFFLINE"] if getattr(constants, "HF_HUB_OFFLINE", False) else [])
 
 
-OFFLINE = ("HF_HUB_OFFLINE is set, so publish cannot reach the Hub and nothing was written or uploaded: unset "
-           "HF_HUB_OFFLINE to upload, or pass dry_run=true to write the folder only.")
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE set (as huggingface_hub read them at import, or in the environment now)."""
+    return bool(offline_variables())
+
+
+def offline_refusal() -> str:
+    """One sentence naming the variable that is actually set (TRANSFORMERS_OFFLINE turns the Hub off too)."""
+    names = offline_variables() or ["HF_HUB_OFFLINE"]
+    said = " and ".join(names)
+    return (f"{said} {'is' if len(names) == 1 else 'are'} set, so publish cannot reach the Hub and nothing was "
+            f"written or uploaded: unset {said} to upload, or pass dry_run=true to write the folder only.")
 
 
 def hub_failure(e: Exception, step: str, repo_id: str, endpoint: str, created: bool, timeout: float,
@@ -584,7 +632,7 @@ def hub_failure(e: Exception, step: str, repo_id: str, endpoint: str, created: b
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
     if isinstance(e, OfflineModeIsEnabled):
-        return OFFLINE
+        return offline_refusal()
     status = getattr(getattr(e, "response", None), "status_code", None)
     hint = ""
     if isinstance(e, HfHubHTTPError) and status:
@@ -659,7 +707,7 @@ def run(cfg: PublishConfig) -> dict:
     k = cfg.num_speculative_tokens or (report[0]["drafting"]["num_speculative_tokens"] if report
                                       else NUM_SPECULATIVE_TOKENS)
     if not cfg.dry_run and hub_offline():
-        raise DraftsmithError(OFFLINE)
+        raise DraftsmithError(offline_refusal())
     if not cfg.dry_run and not has_token():
         raise DraftsmithError("no Hugging Face token: set HF_TOKEN or run `hf auth login` (or pass dry_run=true).")
     head_arg = Path(str(cfg.head).rstrip("/"))

@@ -189,6 +189,15 @@ def _not_empty(path: Path) -> bool:
     return _is_dir(path) and any(True for _ in os.scandir(path))
 
 
+def _is_empty_dir(path: Path) -> bool:
+    return _is_dir(path) and not _not_empty(path)
+
+
+def _is_owner_file(rel: str) -> bool:
+    """The owner file a stage claims a folder with (export claims the user's folder before its swap)."""
+    return "/" not in rel and (rel == OWNER or rel.startswith(f".{OWNER}."))
+
+
 def replace_folder(new: Path, folder: Path) -> None:
     """Put the complete folder `new` in place of `folder`, keeping every file of `folder` draftsmith did not write.
 
@@ -205,6 +214,12 @@ def replace_folder(new: Path, folder: Path) -> None:
         if where == "blocked" or (where == "same" and _not_empty(folder / rel)):
             raise DraftsmithError(f"{folder / rel} is not draftsmith's, and the new output has a file in its way; "
                                   f"move it elsewhere and rerun.")
+        if where == "same" and not _is_owner_file(rel) and not _is_empty_dir(folder / rel):
+            # a user's file under a name the new output writes: refused, never replaced (prepare_output refuses
+            # the names a stage declares before any work; this catches the rest, e.g. a format's own files)
+            raise DraftsmithError(f"{folder / rel} is a file draftsmith did not write, and the new output has a file "
+                                  f"of that name; draftsmith never replaces your files, so move or rename it and "
+                                  f"rerun.")
     carried = _move(folder, new, [rel for rel, where in entries if where == "free"])
     old = None
     try:
@@ -459,12 +474,59 @@ def _inside(path: Path, folder: Path) -> bool:
     return folder in path.parents
 
 
+# What each stage writes in its out folder (glob patterns relative to it), whatever its options: in a folder that is
+# not the stage's own (a user's, reached with overwrite=true) a file under one of these names is the user's, and
+# prepare_output refuses it before any work rather than replace it. A stage's own earlier output is rewritten as
+# before. What a folder written whole holds beyond these (a format's or a tokenizer's own files) is refused at its
+# swap (replace_folder). data-gen's entries spell data_gen/run.py's TEMPORARIES (a test keeps them equal).
+HEAD_FILES = ("config.json", "model.safetensors", MANIFEST, "generation_config.json", "tokenizer.json",
+              "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
+DATASET_FILES = ("data-*.arrow", "dataset_info.json", "state.json")  # a datasets save_to_disk folder
+WRITES = {
+    "data_gen": ("config.yaml", MANIFEST, ".data_gen_counts.json", ".data_gen_key", ".data_gen.lock", "parts",
+                 *(f"{d}/{f}" for d in ("conversations", "tokenized") for f in DATASET_FILES),
+                 "hidden_states/shard_*.safetensors", "hidden_states/index.json", "hidden_states/index.rank*.json",
+                 "topk_logits/shard_*.safetensors", "topk_logits/index.json",
+                 "regenerated/chunk_*.json", "regenerated/self_prompts.json"),
+    "train": ("config.yaml", "metrics.jsonl", "val_metrics.json", "checkpoints/step_*", "checkpoints/.tmp-step_*",
+              *(f"{d}/{f}" for d in ("final", "best") for f in HEAD_FILES)),
+    "eval": ("config.yaml", "report.json", "report.md", "report.png", MANIFEST),
+    "export": (*HEAD_FILES, "*.gguf"),
+    "publish": ("README.md", "eval/report.json", "eval/report.md", "eval/report.png", *HEAD_FILES),
+    "demo": ("config.yaml", "demo_summary.json", "plan.json", "data_gen.done.json", "train.done.json",
+             "eval.done.json"),
+}
+
+
+def users_files_in_the_way(out: Path, stage: str) -> list[Path]:
+    """The entries of `out` (a folder that is not `stage`'s own output) under names `stage` writes (WRITES), sorted;
+    an empty folder among them is left out (replacing it loses nothing)."""
+    found = set()
+    for pattern in WRITES.get(stage, ()):
+        for path in glob.glob(glob.escape(str(out)) + "/" + pattern, include_hidden=True):
+            path = Path(path)
+            if os.path.lexists(path) and not _is_empty_dir(path):
+                found.add(path)
+    return sorted(found)
+
+
+def in_the_way_error(out: Path, stage: str, paths: list[Path]) -> DraftsmithError:
+    """One sentence naming the user's files a stage would otherwise replace (up to five of them)."""
+    name = STAGE_NAMES.get(stage, stage)
+    shown = [str(p) for p in paths[:5]] + ([f"{len(paths) - 5} more"] if len(paths) > 5 else [])
+    files = shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
+    which = "is a file" if len(paths) == 1 else "are files"
+    return DraftsmithError(f"{files} {which} of yours under a name draftsmith {name} writes, and overwrite=true writes "
+                           f"beside your files but never replaces one, so move or rename {'it' if len(paths) == 1 else 'them'}"
+                           f" or choose another out.")
+
+
 def prepare_output(out, stage: str, inputs=(), overwrite: bool = False) -> Path:
     """Check `out` before a stage does any work; returns it as a Path. Writes nothing.
 
     Accepted: a folder that does not exist, an empty one, or `stage`'s own earlier output; a user's
     folder (one no draftsmith stage owns) only with `overwrite`, and then the stage keeps the user's
-    files (atomic_folder, remove_written). Always refused: an existing file, a link (out= pointing at
+    files (atomic_folder, remove_written) and refuses one under a name it writes (WRITES). Always refused: an existing file, a link (out= pointing at
     another folder), the current folder (or one above it), the home folder, another draftsmith
     stage's output, and a folder that is, contains or lies inside one of `inputs` ((option name,
     path) pairs the stage reads), overwrite or not.
@@ -507,6 +569,10 @@ def prepare_output(out, stage: str, inputs=(), overwrite: bool = False) -> Path:
                               f"apart from it (overwrite=true does not change this).")
     if out.is_dir() and not is_empty(out) and not owns(out, stage) and (not overwrite or owner_of(out) is not None):
         raise not_owned_error(out, stage, overwrite)
+    if out.is_dir() and not owns(out, stage):  # a user's folder (overwrite=true): its files under our names stay
+        in_the_way = users_files_in_the_way(out, stage)
+        if in_the_way:
+            raise in_the_way_error(out, stage, in_the_way)
     return out
 
 

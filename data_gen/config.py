@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
+from urllib.parse import urlsplit
 
 from draftsmith.core import DraftsmithError, checks
 from draftsmith.data_gen.target import DTYPES, TargetConfig
@@ -126,6 +127,10 @@ class BackendConfig:
         checks.at_least("backend.backoff_s", self.backoff_s, 0)
         checks.at_least("backend.backoff_max_s", self.backoff_max_s, self.backoff_s)
         checks.in_range("backend.max_failed_share", self.max_failed_share, 0, 1)
+        url = urlsplit(str(self.url))  # refused here, not after every request has tried it
+        if url.scheme not in ("http", "https") or not url.netloc:
+            raise DraftsmithError(f"backend.url={self.url} is not an http:// or https:// URL; write the OpenAI-compatible "
+                                  f"server's base URL, e.g. backend.url=http://127.0.0.1:8000/v1.")
 
 
 @dataclass

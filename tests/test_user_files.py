@@ -169,6 +169,11 @@ def test_train_keeps_user_files(data, run_dir, tmp_path, capsys):
     err = cli_error(capsys, [*TRAIN, f"data={data}", f"out={user}"])
     assert f"out={user} already holds files draftsmith train did not write" in err
     assert snapshot(user) == before
+    # overwrite=true never replaces the user's config.yaml (issue 49): refused, naming it, until it is renamed
+    err = cli_error(capsys, [*TRAIN, f"data={data}", f"out={user}", "overwrite=true"])
+    assert f"{user / 'config.yaml'} is a file of yours" in err and snapshot(user) == before
+    (user / "config.yaml").rename(user / "my-config.yaml")
+    hashes.update({"my-config.yaml": hashlib.sha256(b"the user's config\n").hexdigest()})
     # (a) overwrite=true: train writes there, the user's files stay
     main([*TRAIN, f"data={data}", f"out={user}", "overwrite=true"])
     survived(user, hashes)
