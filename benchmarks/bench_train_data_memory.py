@@ -10,9 +10,9 @@ identity, so only the data counts:
   flat   load_data as it is (tokens in the memory-mapped Arrow buffers, train/data.py)
   lists  the lists load_data held before (77bd05a: `[list(x)[:max_length] for x in ds["input_ids"]]`, the same for
          loss_mask), for comparison
-Reported per run: resident set (psutil RSS) after load minus before, the same after every row was read once (the
-Arrow pages it touches are file-backed: shared between the ranks of a node, reclaimable), and the peak (ru_maxrss)
-over the run minus the resident set before. The goal (issue 46): 2M tokens add at most 1 GB over 200k. Memory
+Reported per run: resident set (psutil RSS) after load minus before, the same after every row was read once, split
+into private (RssAnon) and file pages (RssFile: the Arrow pages read are file-backed, shared between the ranks of a
+node and reclaimable), and the peak (ru_maxrss) over the run minus the resident set before. The goal (issue 46): 2M tokens add at most 1 GB over 200k. Memory
 only: no timing. Prints a table, writes JSON.
 """
 
@@ -70,6 +70,7 @@ def child(folder: str, impl: str, max_length: int) -> dict:
 
     identity = load_target(TargetConfig(name="tiny", dtype="float32"), lazy=True).identity()
     process = psutil.Process()
+    anon_file_before = _anon_file()
     before = process.memory_info().rss
     if impl == "flat":
         train, _, _ = load_data(folder, identity, "online", max_length, 0)
@@ -84,8 +85,16 @@ def child(folder: str, impl: str, max_length: int) -> dict:
     total = sum(int(np.asarray(x, dtype=np.int64).sum()) for x in rows)  # every row read once
     read = process.memory_info().rss
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    split = {f"read_{k}_bytes": v - anon_file_before[k] for k, v in _anon_file().items()}
     return {"loaded_bytes": loaded - before, "read_bytes": read - before, "peak_bytes": max(0, peak - before),
-            "checksum": total}
+            **split, "checksum": total}
+
+
+def _anon_file() -> dict:
+    """This process's resident set split into private memory (anon) and file pages (file: the memory-mapped
+    Arrow data among them, shared with every process that maps the same file), from /proc/self/status."""
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return {"anon": int(status["RssAnon"].split()[0]) * 1024, "file": int(status["RssFile"].split()[0]) * 1024}
 
 
 def _run(*args: str) -> str:
@@ -129,10 +138,10 @@ def main() -> None:
               "goal": f"{large} tokens add at most 1 GiB resident over {small}",
               "goal_met": {impl: max(g.values()) <= GOAL_BYTES for impl, g in growth.items()}}
     mib = 1 << 20
-    print(f"{'tokens':>10} {'impl':>5} {'loaded MiB':>11} {'read MiB':>9} {'peak MiB':>9}")
+    print(f"{'tokens':>10} {'impl':>5} {'loaded MiB':>11} {'read MiB':>9} {'(anon':>7} {'file)':>6} {'peak MiB':>9}")
     for r in runs:
         print(f"{r['tokens']:>10} {r['impl']:>5} {r['loaded_bytes'] / mib:>11.1f} {r['read_bytes'] / mib:>9.1f} "
-              f"{r['peak_bytes'] / mib:>9.1f}")
+              f"{r['read_anon_bytes'] / mib:>7.1f} {r['read_file_bytes'] / mib:>6.1f} {r['peak_bytes'] / mib:>9.1f}")
     for impl, g in growth.items():
         print(f"{impl}: {large} tokens over {small}: loaded +{g['loaded_bytes'] / mib:.1f} MiB, read "
               f"+{g['read_bytes'] / mib:.1f} MiB, peak +{g['peak_bytes'] / mib:.1f} MiB "
