@@ -175,6 +175,18 @@ def test_prefetch_equals_collate_in_order(offline, pack):
         train.pack_tokens = 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory and the asynchronous copy need CUDA")
+def test_prefetch_pins_host_batches_for_cuda(offline):
+    from draftsmith.train.data import host_batch
+
+    _, (train, _, _) = offline
+    assert all(v.is_pinned() for v in host_batch(train, [0, 1], pin=True, pack_tokens=48).values())
+    plan = [[0, 1], [2, 3], [4, 5]]
+    for positions, batch in zip(plan, prefetch(train, iter(plan), "cuda", depth=2)):
+        expected = collate(train, positions, "cpu")
+        assert all(batch[k].is_cuda and torch.equal(batch[k].cpu(), expected[k]) for k in expected)
+
+
 def test_prefetch_error_is_raised_in_the_caller(offline, monkeypatch):
     _, (train, _, _) = offline
     plan = [[0, 1], [2, 3], [4, 5], [6, 7]]

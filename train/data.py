@@ -192,7 +192,7 @@ def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:
 def _laid_out(per_doc, layout: list[list[int]], starts: list[list[int]], T: int,
               dtype: Optional[torch.dtype] = None, pin: bool = False) -> torch.Tensor:
     """(B, T, ...) zeros holding document k's (T_k, ...) tensor at [row, start:start + T_k] for the row and start
-    that `layout` / `starts` give it (right-padded: one document per row); dtype: the documents' own."""
+    that `layout` / `starts` give it (unpacked: one document per row, at 0); dtype: the documents' own."""
     first = per_doc[0]
     out = torch.zeros(len(layout), T, *first.shape[1:], dtype=dtype or first.dtype, pin_memory=pin)
     for b, docs in enumerate(layout):
@@ -220,7 +220,7 @@ def host_batch(data: TrainData, positions: list[int], pin: bool = False, pack_to
     if pack:  # positions restart at 0 per conversation; document ids 0, 1, ... within a row, -1 on padding
         batch["position_ids"] = place([torch.arange(len(x)) for x in ids])
         within = {k: j for docs in layout for j, k in enumerate(docs)}  # document k is the j-th of its row
-        batch["document_ids"] = place([torch.full((len(x),), within[k] + 1) for k, x in enumerate(ids)]) - 1
+        batch["document_ids"] = place([torch.full((len(x),), within[k] + 1) for k, x in enumerate(ids)]).sub_(1)
     if data.hidden is not None:  # stored rows are the full conversation: cut as the tokens are
         aux, last = zip(*(data.hidden[r] for r in rows))
         batch["aux"] = place([x[:m] for x, m in zip(aux, n)])
