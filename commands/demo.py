@@ -167,7 +167,7 @@ def llamacpp_overrides(s: dict) -> list[str]:
     return ["engine=llamacpp", "llamacpp_target=same"]
 
 
-FOLDERS = {"data_gen": "data", "train": "head", "eval": "eval"}
+FOLDERS = mf.DEMO_FOLDERS  # {"data_gen": "data", "train": "head", "eval": "eval"}: core lists what each writes
 # What a redo removes from a stage's folder: only what that stage writes (a file the user put there stays).
 # data-gen: nothing, its own resume redoes exactly what the changed settings affect.
 STAGE_FILES = {

@@ -493,9 +493,10 @@ WRITES = {
     "eval": ("config.yaml", "report.json", "report.md", "report.png", MANIFEST),
     "export": (*HEAD_FILES, "*.gguf"),
     "publish": ("README.md", "eval/report.json", "eval/report.md", "eval/report.png", *HEAD_FILES),
-    "demo": ("config.yaml", "demo_summary.json", "plan.json", "data_gen.done.json", "train.done.json",
-             "eval.done.json"),
 }
+DEMO_FOLDERS = {"data_gen": "data", "train": "head", "eval": "eval"}  # (commands/demo.py's FOLDERS)
+WRITES["demo"] = ("config.yaml", "demo_summary.json", "plan.json", *(f"{s}.done.json" for s in DEMO_FOLDERS),
+                  *(f"{name}/{p}" for s, name in DEMO_FOLDERS.items() for p in WRITES[s]))  # its stages' too
 
 
 def users_files_in_the_way(out: Path, stage: str) -> list[Path]:
@@ -515,8 +516,8 @@ def in_the_way_error(out: Path, stage: str, paths: list[Path]) -> DraftsmithErro
     name = STAGE_NAMES.get(stage, stage)
     shown = [str(p) for p in paths[:5]] + ([f"{len(paths) - 5} more"] if len(paths) > 5 else [])
     files = shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
-    which = "is a file" if len(paths) == 1 else "are files"
-    return DraftsmithError(f"{files} {which} of yours under a name draftsmith {name} writes, and overwrite=true writes "
+    which = "is a file of yours under a name" if len(paths) == 1 else "are files of yours under names"
+    return DraftsmithError(f"{files} {which} draftsmith {name} writes, and overwrite=true writes "
                            f"beside your files but never replaces one, so move or rename {'it' if len(paths) == 1 else 'them'}"
                            f" or choose another out.")
 

@@ -85,8 +85,8 @@ def stage_args(stage: str, base: Path, out: Path) -> list[str]:
     return [*args, f"out={out}", "overwrite=true"]
 
 
-# The table (and export's own names): the user's files under names each stage writes, the first one the
-# sentence must name
+# The table (and export's own names): the user's files under names each stage writes, all named by the
+# one sentence
 SAME_NAMES = {
     "data-gen": ["config.yaml"],
     "train": ["config.yaml", "metrics.jsonl"],
@@ -102,7 +102,7 @@ def test_a_users_same_named_files_are_refused_and_kept_with_overwrite(stage, bas
     user = tmp_path / "user"
     before = plant(user, [*SAME_NAMES[stage], "notes.txt"])
     err = refused(capsys, *stage_args(stage, base, user))
-    assert str(user / SAME_NAMES[stage][0]) in err and "never replaces" in err, err
+    assert all(str(user / rel) in err for rel in SAME_NAMES[stage]) and "never replaces" in err, err
     assert checksums(user) == before  # the bytes, and nothing added (no owner file: the folder is not claimed)
 
 
