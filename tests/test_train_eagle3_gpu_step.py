@@ -293,3 +293,30 @@ def test_step_module_passes_packing_and_options_through():
     ref_loss, ref_stats = eagle3_loss(head, **batch, steps=STEPS)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
     torch.testing.assert_close(stats, ref_stats)
+
+
+@pytest.mark.parametrize("stored", [False, True])
+def test_target_side_without_host_sync_equals_the_gathered_one(stored):
+    """prepare's target side (train/features.py TargetHead) on the device path: every position computed and the
+    uncounted ones zeroed, with no host sync, equals the CPU path's gather of the counted rows (which syncs)."""
+    from draftsmith.train.features import TargetHead
+
+    g = torch.Generator().manual_seed(3)
+    V, H = 50, 8
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[torch.randperm(V, generator=g)[:20]] = True
+    head = TargetHead(torch.randn(V, H, generator=g, dtype=torch.float64), t2d)
+    last = torch.randn(2, 9, H, generator=g, dtype=torch.float64)
+    rows = torch.rand(2, 9, generator=g) > 0.4
+    logits = last @ torch.randn(V, H, generator=g, dtype=torch.float64).T
+    extra = (logits.argmax(-1), torch.logsumexp(logits, -1)) if stored else ()
+    with HostSyncs() as syncs:
+        free = head(last, rows, *extra, sync_free=True)
+    assert syncs.calls == []
+    with HostSyncs() as syncs:
+        gathered = head(last, rows, *extra, sync_free=False)
+    assert syncs.calls  # the gather syncs: the counter sees it
+    for a, b in zip((free.probs, free.in_mass, free.argmax, free.argmax_in_draft),
+                    (gathered.probs, gathered.in_mass, gathered.argmax, gathered.argmax_in_draft)):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)  # float64 (ints and bools: exactly)

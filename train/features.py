@@ -43,10 +43,20 @@ class TargetHead:
 
     @torch.no_grad()
     def __call__(self, last_hidden: torch.Tensor, rows: Optional[torch.Tensor] = None,
-                 top: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None) -> TargetSide:
+                 top: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
+                 sync_free: Optional[bool] = None) -> TargetSide:
         """last_hidden (B, T, H): the target's post-final-norm hidden state. `rows` (B, T) bool: compute only
         these positions (the losses read no other); the others are left zero (argmax 0, not in the draft vocab).
-        top / lse (B, T): the target's full-vocab argmax and logsumexp, when stored."""
+        top / lse (B, T): the target's full-vocab argmax and logsumexp, when stored. sync_free (default: off a
+        CPU) computes `rows` without a host sync."""
+        if sync_free is None:
+            sync_free = last_hidden.device.type != "cpu"
+        if rows is not None and sync_free:
+            # On an accelerator a boolean gather is a host sync (its size is data-dependent): every position is
+            # computed and the others zeroed instead, the same values without a stall (on a CPU the gather saves work)
+            full = self(last_hidden, None, top, lse)
+            return TargetSide(torch.where(rows[..., None], full.probs, 0), torch.where(rows, full.in_mass, 0),
+                              torch.where(rows, full.argmax, 0), full.argmax_in_draft & rows)
         if rows is not None:
             part = self(last_hidden[rows], None, *((top[rows], lse[rows]) if top is not None else ()))
             B, T = rows.shape

@@ -74,6 +74,8 @@ def compat_fields(cfg, identity: dict, world: int, n_train: int, total_steps: in
         fields["world_size"] = world
     if cfg.eval_every > 0:  # the best-so-far in the checkpoint is by this metric, at these steps
         fields.update(eval_every=cfg.eval_every, select_by=cfg.select_by)
+    if cfg.pack_tokens > 0:  # packing changes every micro-batch (0, off, is what checkpoints before it had)
+        fields["pack_tokens"] = cfg.pack_tokens
     return fields
 
 
@@ -179,7 +181,8 @@ def run(cfg: TrainConfig) -> dict:
     # prepare: the target, the data, the plan
     target = load_target(cfg.target, layers=method.aux_layer_ids)  # the features the drafter reads
     identity = target.identity()
-    train, val, mode = load_data(cfg.data, identity, cfg.mode, cfg.max_length, cfg.val_samples, method.offline_data)
+    train, val, mode = load_data(cfg.data, identity, cfg.mode, cfg.max_length, cfg.val_samples, method.offline_data,
+                                 pack_tokens=cfg.pack_tokens)
     if cfg.train_samples is not None:  # a prefix of the training rows (learning curves; the held-out rows stay)
         if cfg.train_samples > len(train.indices):
             raise DraftsmithError(f"train_samples={cfg.train_samples} but {cfg.data} has {len(train.indices)} training "

@@ -36,7 +36,7 @@ from draftsmith.core.locks import stale_extension_locks
 from draftsmith.core.procenv import launched_processes
 from draftsmith.core.progress import progress
 from draftsmith.train import checkpoint as ckpt
-from draftsmith.train.data import TrainData, batch_order, collate, micro_batches
+from draftsmith.train.data import TrainData, collate, micro_batch_plan, prefetch
 from draftsmith.train.optimizers import build_optimizer
 
 DS_CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "deepspeed"
@@ -369,50 +369,54 @@ def train_loop(w: Wrapped, cfg, data: TrainData, prepare: Callable, summarize: C
     val_metrics: dict = {}
     best = best if best is not None else {}
     step = start_step
-    order_epoch, order = None, []
     w.module.train()
-    while step < total_steps:
-        epoch, b = divmod(step, batches_per_epoch)
-        t0 = time.perf_counter()
-        if epoch != order_epoch:  # the order is a pure function of (seed, epoch): built once per epoch
-            order, order_epoch = batch_order(lengths, global_batch, cfg.mega_batch, cfg.seed, epoch), epoch
-        # The step's record (loss, tokens, stats) stays on the device until its one host read, after the reduce.
-        stats_sum, loss_sum, tokens = None, torch.zeros((), device=cfg.device), torch.zeros((), device=cfg.device)
-        for positions in micro_batches(order[b], cfg.micro_batch_size, rank, world):
-            batch = prepare(collate(data, positions, cfg.device))
-            with w.no_sync():
-                with autocast(cfg):
-                    loss, stats = w.model(**batch)
-                w.backward(loss)
-            w.micro_step()
-            loss_sum += loss.detach().float()
-            tokens += batch["attention_mask"].sum()
-            stats_sum = stats if stats_sum is None else stats_sum + stats
-        step += 1
-        reduced = distributed.all_reduce(torch.cat([loss_sum[None], tokens[None], stats_sum.flatten()]))
-        values = reduced.tolist()  # the step's one host sync
-        dt = time.perf_counter() - t0
-        record = {"step": step, "epoch": epoch, "loss": values[0] / (cfg.grad_accum * world),
-                  "lr": w.scheduler.get_last_lr()[0], "tokens": int(values[1]),
-                  "step_s": round(dt, 4), "tokens_per_s": round(values[1] / dt, 1),
-                  **summarize(torch.tensor(values[2:], dtype=reduced.dtype).view(stats_sum.shape))}
-        evaluated = val is not None and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == total_steps)
-        if evaluated:
-            val_metrics = evaluate(w, val, prepare, summarize, cfg, world)
-            key = selection_key(cfg, val_metrics)
-            record.update(val_metrics)
-            if not best or val_metrics[key] > best["score"]:
-                if save_best is not None:
-                    save_best()
-                best.clear()
-                best.update(step=step, metric=key, score=val_metrics[key])
-            record["best_step"] = best["step"]
-        if step % cfg.log_every == 0 or step == total_steps or evaluated:
-            logger.log(record)
-        if step % cfg.save_every == 0 or step == total_steps:
-            state = {**state_extra, "step": step, "epoch": step // batches_per_epoch,
-                     "batch_in_epoch": step % batches_per_epoch, "metrics": record, "best": dict(best)}
-            save_checkpoint(w, out, step, state, rank, world, cfg.keep_last)
-        if cfg.fail_at_step is not None and step == cfg.fail_at_step:
-            raise RuntimeError(f"fail_at_step={step}: simulated crash")
+    # This rank's micro-batches in the loop's order (a pure function of seed, epoch and step: exact resume), read
+    # ahead by a thread (the offline shards' rows, pinned on CUDA) while the device computes.
+    stream = prefetch(data, micro_batch_plan(lengths, global_batch, cfg.mega_batch, cfg.seed, cfg.micro_batch_size,
+                                             rank, world, start_step, total_steps), cfg.device)
+    try:
+        while step < total_steps:
+            epoch = step // batches_per_epoch
+            t0 = time.perf_counter()
+            # The step's record (loss, tokens, stats) stays on the device until its one host read, after the reduce.
+            stats_sum, loss_sum, tokens = None, torch.zeros((), device=cfg.device), torch.zeros((), device=cfg.device)
+            for _ in range(cfg.grad_accum):
+                batch = prepare(next(stream))
+                with w.no_sync():
+                    with autocast(cfg):
+                        loss, stats = w.model(**batch)
+                    w.backward(loss)
+                w.micro_step()
+                loss_sum += loss.detach().float()
+                tokens += batch["attention_mask"].sum()
+                stats_sum = stats if stats_sum is None else stats_sum + stats
+            step += 1
+            reduced = distributed.all_reduce(torch.cat([loss_sum[None], tokens[None], stats_sum.flatten()]))
+            values = reduced.tolist()  # the step's one host sync
+            dt = time.perf_counter() - t0
+            record = {"step": step, "epoch": epoch, "loss": values[0] / (cfg.grad_accum * world),
+                      "lr": w.scheduler.get_last_lr()[0], "tokens": int(values[1]),
+                      "step_s": round(dt, 4), "tokens_per_s": round(values[1] / dt, 1),
+                      **summarize(torch.tensor(values[2:], dtype=reduced.dtype).view(stats_sum.shape))}
+            evaluated = val is not None and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == total_steps)
+            if evaluated:
+                val_metrics = evaluate(w, val, prepare, summarize, cfg, world)
+                key = selection_key(cfg, val_metrics)
+                record.update(val_metrics)
+                if not best or val_metrics[key] > best["score"]:
+                    if save_best is not None:
+                        save_best()
+                    best.clear()
+                    best.update(step=step, metric=key, score=val_metrics[key])
+                record["best_step"] = best["step"]
+            if step % cfg.log_every == 0 or step == total_steps or evaluated:
+                logger.log(record)
+            if step % cfg.save_every == 0 or step == total_steps:
+                state = {**state_extra, "step": step, "epoch": step // batches_per_epoch,
+                         "batch_in_epoch": step % batches_per_epoch, "metrics": record, "best": dict(best)}
+                save_checkpoint(w, out, step, state, rank, world, cfg.keep_last)
+            if cfg.fail_at_step is not None and step == cfg.fail_at_step:
+                raise RuntimeError(f"fail_at_step={step}: simulated crash")
+    finally:
+        stream.close()
     return record, val_metrics
