@@ -159,12 +159,18 @@ def test_micro_batch_plan_is_the_loops_order_and_resumes():
 
 
 @pytest.mark.parametrize("pack", [0, 48])
-def test_prefetch_equals_collate_in_order(offline, pack):
+@pytest.mark.parametrize("depth", [2, None])
+def test_prefetch_equals_collate_in_order(offline, pack, depth):
+    """With a reading thread (depth 2) and as on a CPU by default (depth None: no thread, read when due)."""
     _, (train, _, _) = offline
     train.pack_tokens = pack
     try:
         plan = list(micro_batch_plan(train.lengths(), 4, 2, 0, 2, 0, 1, 0, 6))
-        got = list(prefetch(train, iter(plan), "cpu", depth=2))
+        threads = threading.active_count()
+        stream = prefetch(train, iter(plan), "cpu", depth=depth)
+        first = next(stream)
+        assert (threading.active_count() > threads) == (depth is not None)  # the CPU default starts no thread
+        got = [first, *stream]
         assert len(got) == len(plan) == 12
         for positions, batch in zip(plan, got):
             expected = collate(train, positions, "cpu")

@@ -260,11 +260,22 @@ def _pinned(device) -> bool:
 _END = object()
 
 
-def prefetch(data: TrainData, plan: Iterable[list[int]], device, depth: int = 2) -> Iterator[dict]:
+def prefetch(data: TrainData, plan: Iterable[list[int]], device, depth: Optional[int] = None) -> Iterator[dict]:
     """`collate(data, positions, device)` of each micro-batch of `plan` (micro_batch_plan), in order: a thread
     reads up to `depth` micro-batches ahead (the offline shards' rows included) into pinned memory when the
     device is CUDA; the copy to the device happens here, in the caller's thread. An error in the thread is
-    raised here, as itself, where its micro-batch would have come. Closing the generator stops the thread."""
+    raised here, as itself, where its micro-batch would have come. Closing the generator stops the thread.
+
+    depth None: 2 on an accelerator, 0 on a CPU. 0 reads each micro-batch when it is due, in this thread: on a CPU
+    the cores that would read ahead are the ones computing the step, and a second thread's torch ops start a second
+    OpenMP team on them (the demo's offline step on 2 cores: 258 ms against 196 ms with the thread,
+    docs/benchmarks.md)."""
+    if depth is None:
+        depth = 0 if torch.device(device).type == "cpu" else 2
+    if depth == 0:
+        for positions in plan:
+            yield collate(data, positions, device)
+        return
     pin = _pinned(device)
     ready: queue.Queue = queue.Queue(maxsize=max(1, depth))
     stop = threading.Event()
