@@ -267,9 +267,9 @@ def prefetch(data: TrainData, plan: Iterable[list[int]], device, depth: Optional
     raised here, as itself, where its micro-batch would have come. Closing the generator stops the thread.
 
     depth None: 2 on an accelerator, 0 on a CPU. 0 reads each micro-batch when it is due, in this thread: on a CPU
-    the cores that would read ahead are the ones computing the step, and a second thread's torch ops start a second
-    OpenMP team on them (the demo's offline step on 2 cores: 258 ms against 196 ms with the thread,
-    docs/benchmarks.md)."""
+    the cores that would read ahead are the ones computing the step, and a second thread's torch ops compete for
+    them (the demo's offline step on 2 cores took 258 ms with the thread against 196 ms for the loop before it, and
+    157 against 155 ms without it: docs/results/train-builds-2026-12-06.json)."""
     if depth is None:
         depth = 0 if torch.device(device).type == "cpu" else 2
     if depth == 0:
