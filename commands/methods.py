@@ -1,4 +1,5 @@
-"""The package's method rows (eagle3, peagle, dflash, draft), registered in the method table (draftsmith.core.methods).
+"""The package's method rows (eagle3, peagle, dflash, dspark, draft), registered in the method table
+(draftsmith.core.methods).
 
 The package root (commands/__init__.py) imports this module, so the rows are in the table before any stage asks:
 Python imports the parent package `draftsmith` before `draftsmith.core.methods` or any stage. Each row names its
@@ -61,6 +62,21 @@ def _dflash_training():
     return dflash
 
 
+def _dspark_folders():
+    from draftsmith.heads import dspark_folders
+    return dspark_folders
+
+
+def _dspark_proposers():
+    from draftsmith.eval.proposers import dspark
+    return dspark
+
+
+def _dspark_training():
+    from draftsmith.train import dspark
+    return dspark
+
+
 def _draft_folders():
     from draftsmith.heads import draft_folders
     return draft_folders
@@ -86,6 +102,10 @@ ROWS = (
     # DFlash: vLLM's method dflash (the folder's DFlashDraftModel); SGLang's DFLASH flags are not confirmed here
     Method("dflash", folders=_dflash_folders, proposers=_dflash_proposers, training_module=_dflash_training,
            engines=Engines(vllm="dflash")),
+    # DSpark: DFlash plus a Markov head and a confidence head (DeepSpec). Its folders are draftsmith's own for now
+    # (format=dspark); the engines' formats come later (issue 47: GGUF for llama.cpp's draft-dspark, speculators'
+    # DSparkSpeculator), so no engine serves it from here yet: vLLM 0.32 serves DSpark only on its V2 runner (GPU)
+    Method("dspark", folders=_dspark_folders, proposers=_dspark_proposers, training_module=_dspark_training),
     # the catch-all (ARCHITECTURES = ()): any HF causal-LM folder is evaluated as a draft model
     Method("draft", folders=_draft_folders, proposers=_draft_proposers, training_module=_draft_training,
            engines=Engines(vllm="draft_model", sglang="STANDALONE", llamacpp="draft-simple")),

@@ -20,38 +20,23 @@ checks every tensor's name, shape and dtype.
 from __future__ import annotations
 
 import os
-import types
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from draftsmith.core import DraftsmithError
-from draftsmith.heads.dflash import DFlashHead, dflash_config_from_target
-from draftsmith.heads.folders import (CONFIG, EMBED, SPECULATORS_VERSION, WEIGHTS, build_head, export_verifier,
-                                      folder_hooks, folder_tensors, layer_shapes, llama_layer_config,
-                                      read_checked_tensors, read_config_json, speculators_config,
-                                      with_target_embeddings, write_head_folder)
+from draftsmith.heads.block_folders import (DFLASH_ARCHITECTURE, dflash_config_json, dflash_tensor_shapes,
+                                            layer_fields, read_dflash_folder)
+from draftsmith.heads.dflash import DFlashHead
+from draftsmith.heads.folders import (CONFIG, SPECULATORS_VERSION, build_head, export_verifier, folder_hooks,
+                                      folder_tensors, speculators_config, with_target_embeddings, write_head_folder)
 from draftsmith.core.layers import default_aux_layer_ids
-from draftsmith.heads.kit import DEFAULT_ROPE_THETA
 
-DFLASH_ARCHITECTURE = "DFlashDraftModel"  # vLLM's registry: qwen3_dflash.DFlashQwen3ForCausalLM
 DFLASH_SPECULATORS_ARCHITECTURE = "DFlashSpeculator"
 ARCHITECTURES = (DFLASH_ARCHITECTURE,)
 FOREIGN_ARCHITECTURES = {DFLASH_SPECULATORS_ARCHITECTURE: "the speculators format (vLLM loads it); give the DFlash "
                                                           "folder it was exported from"}
-
-
-def dflash_tensor_shapes(config) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the DFlash folder (embed_tokens and d2t included) and its shape, for `config`."""
-    H, V, Vd, d = config.hidden_size, config.vocab_size, config.draft_vocab_size, config.head_dim
-    H_t = getattr(config, "target_hidden_size", None) or H
-    shapes = {"fc.weight": (H, 3 * H_t), "hidden_norm.weight": (H,)}
-    for i in range(config.num_hidden_layers):
-        shapes.update(layer_shapes(config, f"layers.{i}.", H))
-        shapes.update({f"layers.{i}.self_attn.q_norm.weight": (d,), f"layers.{i}.self_attn.k_norm.weight": (d,)})
-    shapes.update({"norm.weight": (H,), "lm_head.weight": (Vd, H), "d2t": (Vd,), "t2d": (V,), EMBED: (V, H)})
-    return shapes
 
 
 def dflash_tensors(head: DFlashHead, dtype: Optional[torch.dtype] = None,
@@ -64,81 +49,15 @@ def dflash_tensors(head: DFlashHead, dtype: Optional[torch.dtype] = None,
     return tensors
 
 
-def layer_fields(config, dtype: Optional[torch.dtype]) -> dict:
-    """The Qwen3 config fields of the drafter's layers (sizes, heads, rope, eps, the layer count, all full
-    attention so that vLLM runs every layer non-causally)."""
-    fields = llama_layer_config(config, dtype)
-    fields.pop("rope_scaling", None)  # Qwen3Config reads rope_parameters
-    n = config.num_hidden_layers
-    return {**fields, "model_type": "qwen3", "num_hidden_layers": n, "layer_types": ["full_attention"] * n,
-            "use_sliding_window": False}
-
-
 # ---- format=dflash: the folder vLLM serves with method dflash ----------------------------------------------
-
-def dflash_config_json(head: DFlashHead, dtype: Optional[torch.dtype]) -> dict:
-    config = head.config
-    aux = [int(i) for i in config.aux_layer_ids]
-    out = {"architectures": [DFLASH_ARCHITECTURE], **layer_fields(config, dtype),
-           "draft_vocab_size": config.draft_vocab_size,
-           "block_size": config.block_size,
-           "eagle_aux_hidden_state_layer_ids": aux,
-           "dflash_config": {"mask_token_id": head.mask_token_id, "target_layer_ids": [i - 1 for i in aux],
-                             "causal": False, "use_aux_hidden_state": True}}
-    target_hidden = getattr(config, "target_hidden_size", None)
-    if target_hidden and target_hidden != config.hidden_size:
-        out["target_hidden_size"] = target_hidden
-    return out
-
 
 def save_dflash(head: DFlashHead, folder: str | os.PathLike, manifest_target: dict | None = None, *,
                 include_embeddings: bool = True, dtype: Optional[torch.dtype] = None, stage: str = "train") -> Path:
     """Write the folder vLLM serves with method dflash (atomically) and return its path."""
     tensors = dflash_tensors(head, dtype, include_embeddings)
-    config = dflash_config_json(head, dtype or head.fc.weight.dtype)
+    config = dflash_config_json(head, dtype or head.fc.weight.dtype, DFLASH_ARCHITECTURE)
     return write_head_folder(Path(folder), tensors, config, head.config.draft_vocab_size, manifest_target, stage,
                              "dflash")
-
-
-def int_list(raw, key: str, where: Path) -> list[int]:
-    if not isinstance(raw, list) or not raw or not all(isinstance(i, int) and not isinstance(i, bool) for i in raw):
-        raise DraftsmithError(f"{where} has {key}={raw!r}; expected a non-empty list of integers.")
-    return list(raw)
-
-
-def dflash_config_from_json(raw: dict, where: Path):
-    """The drafter's config from a DFlash folder's config.json (refused, naming the field, when one is missing)."""
-    if DFLASH_ARCHITECTURE not in (raw.get("architectures") or []):
-        raise DraftsmithError(f"{where} declares architectures {raw.get('architectures')!r}, "
-                              f"not [{DFLASH_ARCHITECTURE!r}].")
-    required = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
-                "rms_norm_eps", "max_position_embeddings", "num_hidden_layers", "block_size")
-    for key in required:
-        if key not in raw:
-            raise DraftsmithError(f"{where} has no {key!r}.")
-    dflash = raw.get("dflash_config")
-    if not isinstance(dflash, dict) or "mask_token_id" not in dflash:
-        raise DraftsmithError(f"{where} has no dflash_config.mask_token_id.")
-    if raw.get("eagle_aux_hidden_state_layer_ids") is not None:
-        aux = int_list(raw["eagle_aux_hidden_state_layer_ids"], "eagle_aux_hidden_state_layer_ids", where)
-    elif dflash.get("target_layer_ids") is not None:  # DFlash's convention: the output of layer i
-        aux = [i + 1 for i in int_list(dflash["target_layer_ids"], "dflash_config.target_layer_ids", where)]
-    else:
-        raise DraftsmithError(f"{where} names no target layers (eagle_aux_hidden_state_layer_ids or "
-                              f"dflash_config.target_layer_ids).")
-    if len(aux) != 3:
-        raise DraftsmithError(f"{where} reads {len(aux)} target layers {aux}; draftsmith's DFlash drafter reads 3.")
-    if dflash.get("causal") or raw.get("is_causal"):
-        raise DraftsmithError(f"{where} asks for causal attention; draftsmith's DFlash drafter is non-causal.")
-    fields = {k: raw[k] for k in required if k not in ("num_hidden_layers", "block_size")}
-    fields["head_dim"] = raw.get("head_dim")
-    fields["hidden_act"] = raw.get("hidden_act", "silu")
-    fields["rope_parameters"] = raw.get("rope_parameters") or {"rope_type": "default",
-                                                               "rope_theta": raw.get("rope_theta", DEFAULT_ROPE_THETA)}
-    config = dflash_config_from_target(types.SimpleNamespace(**fields), raw.get("draft_vocab_size", raw["vocab_size"]),
-                                       raw["num_hidden_layers"], raw["block_size"], dflash["mask_token_id"], aux)
-    config.target_hidden_size = raw.get("target_hidden_size") or raw["hidden_size"]
-    return config
 
 
 def load_dflash(folder: str | os.PathLike, device="cpu", dtype: Optional[torch.dtype] = None,
@@ -146,16 +65,9 @@ def load_dflash(folder: str | os.PathLike, device="cpu", dtype: Optional[torch.d
     """Load a folder written by `save_dflash`, every tensor checked. A folder without embed_tokens needs the
     target's as `target_embeddings`; a full-vocab folder without d2t gets the identity map."""
     folder = Path(folder)
-    if not folder.is_dir():
-        raise DraftsmithError(f"head folder {folder} does not exist.")
-    config = dflash_config_from_json(read_config_json(folder), folder / CONFIG)
-    expected = dflash_tensor_shapes(config)
-    full_vocab = config.draft_vocab_size == config.vocab_size
-    tensors = read_checked_tensors(folder / WEIGHTS, expected, optional=(EMBED,) + (("d2t",) if full_vocab else ()))
-    if full_vocab:
-        tensors.setdefault("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-    head = build_head(DFlashHead, config, with_target_embeddings(tensors, expected, folder, target_embeddings),
-                      device, dtype)
+    config, tensors = read_dflash_folder(folder)
+    head = build_head(DFlashHead, config, with_target_embeddings(tensors, dflash_tensor_shapes(config), folder,
+                                                                 target_embeddings), device, dtype)
     head.embed_tokens.weight.requires_grad_(False)
     return head
 

@@ -47,6 +47,7 @@ from torch import nn
 
 from draftsmith.core import DraftsmithError, checks
 from draftsmith.heads.dflash import DFlashHead, block_mask, dflash_config_from_target
+from draftsmith.train.block import block_forward, counted_slots, sample_anchors, slot_stats
 from draftsmith.train.features import TargetSide, target_prepare, vocab_map_for
 from draftsmith.train.stats import CHAIN_STATS, STEP_STATS, summarize_steps
 
@@ -85,46 +86,6 @@ class DFlashConfig:
             checks.at_least("method.mask_token_id", self.mask_token_id, 0)
 
 
-# ---- anchors and the batched block forward ---------------------------------------------------------------------
-
-def sample_anchors(valid: torch.Tensor, max_anchors: int,
-                   generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(anchor (B, n) long, real (B, n) bool): up to `max_anchors` anchors per row among the positions a >= 1
-    whose first slot's target counts (valid (B, T) = loss_mask & attention_mask), sorted; padding anchors are 0."""
-    valid = valid.bool().cpu()
-    rows = []
-    for b in range(valid.shape[0]):
-        candidates = torch.nonzero(valid[b, 1:]).squeeze(1) + 1
-        pick = torch.randperm(candidates.numel(), generator=generator)[:max_anchors]
-        rows.append(candidates[pick].sort().values)
-    n = max(max(r.numel() for r in rows), 1)
-    anchor = torch.zeros(valid.shape[0], n, dtype=torch.long)
-    real = torch.zeros(valid.shape[0], n, dtype=torch.bool)
-    for b, r in enumerate(rows):
-        anchor[b, : r.numel()], real[b, : r.numel()] = r, True
-    return anchor, real
-
-
-def block_inputs(head: DFlashHead, input_ids: torch.Tensor, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens (B, n*bs), positions (B, n*bs)) of every block: [x_a, mask, ...] at a, a+1, ..., a+bs-1."""
-    bs = head.block_size
-    offset = torch.arange(bs, device=anchor.device)
-    positions = (anchor[:, :, None] + offset).flatten(1)  # (B, n*bs)
-    tokens = torch.full_like(positions, head.mask_token_id)
-    tokens[:, ::bs] = torch.gather(input_ids, 1, anchor)
-    return tokens, positions
-
-
-def block_forward(head: DFlashHead, input_ids: torch.Tensor, aux: torch.Tensor, anchor: torch.Tensor,
-                  mask: torch.Tensor) -> torch.Tensor:
-    """Pre-norm hidden (B, n*bs, H) of every block in one forward; mask (B, 1, n*bs, T + n*bs) over [context;
-    blocks] (`block_mask` builds the right one; tests pass broken ones)."""
-    B, T = input_ids.shape
-    tokens, positions = block_inputs(head, input_ids, anchor)
-    ctx_pos = torch.arange(T, device=input_ids.device)[None].expand(B, -1)
-    return head.trunk(tokens, positions, head.context(aux), ctx_pos, mask)
-
-
 def position_weights(ce: torch.Tensor, counted: torch.Tensor, weighting: str, gamma: float,
                      alpha: float) -> torch.Tensor:
     """(B, n, bs) loss weights of the slots (module docstring); ce, counted (B, n, bs), slot 0 uncounted."""
@@ -143,15 +104,11 @@ def dflash_loss(head: DFlashHead, input_ids: torch.Tensor, attention_mask: torch
                 aux: torch.Tensor, target: TargetSide, anchor: torch.Tensor, real: torch.Tensor, cfg: DFlashConfig,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss of one micro-batch and its statistics (block_size-1, len(STATS)) for logging."""
-    B, T = input_ids.shape
+    B = input_ids.shape[0]
     bs = head.block_size
     mask = block_mask(anchor, bs, attention_mask)
     h = block_forward(head, input_ids, aux, anchor, mask).view(B, -1, bs, head.config.hidden_size)  # (B, n, bs, H)
-    valid = loss_mask.bool() & attention_mask.bool()
-    u = anchor[:, :, None] + torch.arange(bs, device=anchor.device) - 1  # (B, n, bs) target position of each slot
-    counted = real[:, :, None] & (u >= anchor[:, :, None]) & (u <= T - 1)  # slot 0 (u = a-1) never counts
-    u = u.clamp(0, T - 1)
-    counted &= torch.gather(valid, 1, u.flatten(1)).view_as(u)
+    counted, u = counted_slots(anchor, real, loss_mask.bool() & attention_mask.bool(), bs)
     b_i, j_i, k_i = torch.nonzero(counted, as_tuple=True)  # (M,) the counted slots only: logits of no others
     t_i = u[b_i, j_i, k_i]
     q_logits = head.logits(h[b_i, j_i, k_i]).float()  # (M, Vd)
@@ -167,16 +124,7 @@ def dflash_loss(head: DFlashHead, input_ids: torch.Tensor, attention_mask: torch
         q = torch.softmax(q_logits, dim=-1)
         correct = head.draft_to_target(q_logits.argmax(dim=-1)) == target.argmax[b_i, t_i]
         alpha = torch.minimum(q, p * target.in_mass[b_i, t_i, None]).sum(-1)  # (M,)
-        one_hot = F.one_hot(k_i - 1, bs - 1).to(ce.dtype)  # (M, bs-1): row k-1 = block position k
-        # chain columns: slot k of a block counts when slots 1..k all count; its value is the product over them
-        corr_grid = torch.zeros_like(grid).index_put((b_i, j_i, k_i), correct.to(ce.dtype))[..., 1:]
-        alpha_grid = torch.zeros_like(grid).index_put((b_i, j_i, k_i), alpha)[..., 1:]
-        run = torch.cumprod(counted[..., 1:].to(ce.dtype), dim=-1)  # (B, n, bs-1) 1 while every slot so far counts
-        chain_correct = (torch.cumprod(corr_grid, -1) * run).sum((0, 1))
-        chain_alpha = (torch.cumprod(alpha_grid, -1) * run).sum((0, 1))
-        stats = torch.stack([one_hot.T @ (ce.detach() * in_loss), one_hot.T @ in_loss.to(ce.dtype),
-                             one_hot.T @ correct.to(ce.dtype), one_hot.T @ alpha, one_hot.sum(0),
-                             one_hot.T @ (~in_loss).to(ce.dtype), chain_correct, chain_alpha, run.sum((0, 1))], dim=1)
+        stats = slot_stats(counted, (b_i, j_i, k_i), ce.detach() * in_loss, in_loss, correct, alpha)
     return loss, stats  # stats columns: STATS, one row per block position 1 .. bs-1
 
 

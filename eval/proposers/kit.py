@@ -1,6 +1,6 @@
 """The chain/tree builder every model proposer shares (eval/proposers/<method>.py subclass `ModelProposer`), and
 the one-forward chain proposer (`OneForwardProposer`, with its chain sampler `sample_chain`) for drafters that
-draft all K rows of a chain in one forward.
+draft all K rows of a chain in one forward, and the block drafter's forward (`BlockProposer`: DFlash's, DSpark's).
 
 chain = top-1 (greedy) or one sample from q per depth; tree = top-k children of the best `tree_top_k` frontier
 nodes per depth, ranked by cumulative draft log-prob, until `tree_budget` nodes. Tree drafts are deterministic, so
@@ -165,3 +165,38 @@ class OneForwardProposer:
 
     def _forward(self, k: int) -> torch.Tensor:
         raise NotImplementedError
+
+
+class BlockProposer(OneForwardProposer):
+    """A one-forward proposer whose drafter is the block drafter (heads/block.py: DFlash's, DSpark's).
+
+    After the target verified and emitted tokens, the sequence is x_0 .. x_{L-1}; the target's features are known
+    for positions up to L-2 and x_{L-1} (the bonus / correction token) is the root of the next draft. One forward
+    runs the context (the features verified since the last cycle, start .. L-2: keys / values only, written to the
+    cache at slot = position, once) and the queries [x_{L-1}, mask, ..., mask] at positions L-1 .. L-1+K (cache
+    slots L-1 .. L-1+K); every query sees every slot in use. The mask query at L-1+k drafts x_{L-1+k}. The query
+    slots are overwritten by the next cycle's context, and nothing past the slots in use is ever read."""
+
+    def _check_k(self, k: int) -> None:
+        """Mask slots past the trained block were never trained: refuse, do not guess."""
+        if k > self.head.block_size - 1:
+            raise DraftsmithError(f"K={k} (drafting.num_speculative_tokens or sweep_k) is more than the "
+                                  f"{self.head.block_size - 1} tokens a block of this {self.method} head drafts "
+                                  f"(block_size {self.head.block_size} in its config.json); draft at most "
+                                  f"{self.head.block_size - 1}, or train with method.block_size={k + 1}.")
+
+    def _block(self, k: int) -> torch.Tensor:
+        """Write the pending context and run the block [x_{L-1}, k masks] in one forward: its pre-norm hidden
+        (k+1, H), row 0 the bonus token's, row d the mask query that drafts depth d."""
+        L, T, start = self._pending_span()  # the pending rows are positions [start, L-1)
+        width = self._slots_in_use(L + k)  # context 0 .. L-2, the block L-1 .. L-1+k
+        ids = torch.tensor([self.seq[-1]] + [self.head.mask_token_id] * k, device=self.device)[None]  # (1, k+1)
+        block_pos = torch.arange(L - 1, width, device=self.device)  # (k+1,)
+        context = self.head.context(self.pending[None].to(self.device)) if T else None  # (1, T, H)
+        ctx_pos = torch.arange(start, L - 1, device=self.device)  # (T,)
+        mask = torch.ones(1, 1, k + 1, width, dtype=torch.bool, device=self.device)  # every slot in use, both ways
+        h = self.head.trunk(ids, block_pos[None], context, ctx_pos[None] if T else None, mask, self.caches,
+                            torch.cat([ctx_pos, block_pos]) if T else block_pos)
+        self.pending = self.pending[:0]  # the context now sits in the cache
+        return h[0]
+

@@ -1,0 +1,140 @@
+"""The folder of a DSpark drafter: draftsmith's own (what `draftsmith train method=dspark` writes and eval loads).
+
+    format=dspark  config.json: DSparkDraftModel (a name llama.cpp's DSpark converter registers), the DFlash folder's
+                   fields (heads/block_folders.py: the Qwen3 layer fields, draft_vocab_size, block_size,
+                   eagle_aux_hidden_state_layer_ids, dflash_config {mask_token_id, target_layer_ids, causal: false}),
+                   plus mask_token_id and target_layer_ids at the top (DeepSpec's Qwen3DSparkModel reads them
+                   there; target_layer_ids in DFlash's convention, HF index - 1), markov_rank, markov_head_type
+                   "vanilla", enable_confidence_head true, confidence_head_with_markov true, and sample_from_anchor
+                   false, always written: llama.cpp's converter assumes true (DeepSeek's layout) when it is absent.
+                   model.safetensors: the DFlash tensors, markov_head.markov_w1.weight (V, r),
+                   markov_head.markov_w2.weight (Vd, r), confidence_head.proj.weight (1, H + r),
+                   confidence_head.proj.bias (1,)
+
+Written atomically (heads/folders.py `write_head_folder`); loading reads safetensors only, checks every tensor's
+name, shape and dtype, and refuses in one sentence a folder that says another layout or head than the drafter
+computes. The engines' formats (GGUF through llama.cpp's converter, speculators' DSparkSpeculator, DeepSpec's
+Qwen3DSparkModel for vLLM) are not written yet: export says so (UNSERVED_FORMATS).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from draftsmith.core import DraftsmithError
+from draftsmith.core.layers import default_aux_layer_ids
+from draftsmith.heads.block_folders import dflash_config_from_json, dflash_config_json, dflash_tensor_shapes
+from draftsmith.heads.dspark import DSparkHead
+from draftsmith.heads.folders import (CONFIG, EMBED, WEIGHTS, build_head, folder_hooks, folder_tensors,
+                                      read_checked_tensors, read_config_json, with_target_embeddings,
+                                      write_head_folder)
+
+DSPARK_ARCHITECTURE = "DSparkDraftModel"
+ARCHITECTURES = (DSPARK_ARCHITECTURE,)
+FOREIGN_ARCHITECTURES = {arch: f"{owner}'s DSpark format ({arch}), which draftsmith does not read yet; give the DSpark "
+                               f"folder draftsmith train wrote"
+                         for arch, owner in (("Qwen3DSparkModel", "DeepSpec"), ("DSparkSpeculator", "speculators"))}
+# what draftsmith's drafter computes, which its folder states and loading requires
+HEAD_FIELDS = {"markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True,
+               "sample_from_anchor": False}
+
+
+def dspark_tensor_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the folder (embed_tokens and d2t included) and its shape, for `config`."""
+    r, H, V, Vd = config.markov_rank, config.hidden_size, config.vocab_size, config.draft_vocab_size
+    return {**dflash_tensor_shapes(config), "markov_head.markov_w1.weight": (V, r),
+            "markov_head.markov_w2.weight": (Vd, r), "confidence_head.proj.weight": (1, H + r),
+            "confidence_head.proj.bias": (1,)}
+
+
+def dspark_tensors(head: DSparkHead, dtype: Optional[torch.dtype] = None,
+                   include_embeddings: bool = True) -> dict[str, torch.Tensor]:
+    """The drafter's tensors under the folder's names; d2t only with a reduced draft vocab (as DFlash's folder)."""
+    tensors = folder_tensors(head, dspark_tensor_shapes(head.config), dtype, include_embeddings)
+    if head.config.draft_vocab_size == head.config.vocab_size:
+        del tensors["d2t"]
+    return tensors
+
+
+def dspark_config_json(head: DSparkHead, dtype: Optional[torch.dtype]) -> dict:
+    config = dflash_config_json(head, dtype, DSPARK_ARCHITECTURE)
+    return {**config, "mask_token_id": head.mask_token_id,
+            "target_layer_ids": config["dflash_config"]["target_layer_ids"],
+            "markov_rank": head.markov_rank, **HEAD_FIELDS}
+
+
+def save_dspark(head: DSparkHead, folder: str | os.PathLike, manifest_target: dict | None = None, *,
+                include_embeddings: bool = True, dtype: Optional[torch.dtype] = None, stage: str = "train") -> Path:
+    """Write draftsmith's DSpark folder (atomically) and return its path."""
+    tensors = dspark_tensors(head, dtype, include_embeddings)
+    config = dspark_config_json(head, dtype or head.fc.weight.dtype)
+    return write_head_folder(Path(folder), tensors, config, head.config.draft_vocab_size, manifest_target, stage,
+                             "dspark")
+
+
+def dspark_config_from_json(raw: dict, where: Path):
+    """The drafter's config from the folder's config.json: the DFlash fields, the Markov rank, and the head fields
+    (HEAD_FIELDS) as draftsmith's drafter computes them."""
+    config = dflash_config_from_json(raw, where, DSPARK_ARCHITECTURE)
+    rank = raw.get("markov_rank")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise DraftsmithError(f"{where} has markov_rank={rank!r}; expected a positive integer.")
+    for key, value in HEAD_FIELDS.items():
+        if raw.get(key) != value:
+            raise DraftsmithError(f"{where} has {key}={raw.get(key)!r}; draftsmith's DSpark drafter computes "
+                                  f"{key}={value!r} (the vanilla Markov head, the confidence head over [norm(h); "
+                                  f"W1[previous token]], the bonus-anchor block).")
+    config.markov_rank = rank
+    return config
+
+
+def load_dspark(folder: str | os.PathLike, device="cpu", dtype: Optional[torch.dtype] = None,
+                target_embeddings: torch.Tensor | torch.nn.Embedding | None = None) -> DSparkHead:
+    """Load a folder written by `save_dspark`, every tensor checked. A folder without embed_tokens needs the
+    target's as `target_embeddings`; a full-vocab folder without d2t gets the identity map."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DraftsmithError(f"head folder {folder} does not exist.")
+    config = dspark_config_from_json(read_config_json(folder), folder / CONFIG)
+    expected = dspark_tensor_shapes(config)
+    full_vocab = config.draft_vocab_size == config.vocab_size
+    tensors = read_checked_tensors(folder / WEIGHTS, expected, optional=(EMBED,) + (("d2t",) if full_vocab else ()))
+    if full_vocab:
+        tensors.setdefault("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+    head = build_head(DSparkHead, config, with_target_embeddings(tensors, expected, folder, target_embeddings),
+                      device, dtype)
+    head.embed_tokens.weight.requires_grad_(False)
+    return head
+
+
+# ---- the method table's hooks (draftsmith.core.methods) -------------------------------------------------------------
+
+# the target layers it reads (DFlash's: low, middle, high), captured by data-gen and computed by train / eval's runner
+aux_layer_ids = default_aux_layer_ids
+load_checked, save = folder_hooks(load_dspark, save_dspark)
+
+
+def load(folder: Path, target=None) -> DSparkHead:
+    """The method table's loader: beside a target, the folder's target layers must be the ones it computes."""
+    head = load_checked(folder, target)
+    if target is not None and list(head.config.aux_layer_ids) != list(target.aux_layer_ids):
+        raise DraftsmithError(f"{Path(folder) / CONFIG} reads target layers {head.config.aux_layer_ids} (HF hidden_states "
+                              f"indices), but the target computes {list(target.aux_layer_ids)}: pass "
+                              f"target.aux_layer_ids={head.config.aux_layer_ids}.")
+    return head
+
+
+def write_dspark(head: DSparkHead, folder: Path, manifest_target: Optional[dict], options) -> Path:
+    return save_dspark(head, folder, manifest_target=manifest_target, dtype=options.dtype,
+                       include_embeddings=options.include_embeddings, stage="export")
+
+
+_LATER = ("draftsmith writes no engine format for DSpark yet (issue 47: GGUF through llama.cpp's converter, "
+          "speculators' DSparkSpeculator and a Qwen3DSparkModel folder come next); export format=dspark writes "
+          "draftsmith's own folder")
+UNSERVED_FORMATS = {"gguf": _LATER, "speculators": _LATER}
+FORMATS = {"dspark": write_dspark}
