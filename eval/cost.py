@@ -94,13 +94,14 @@ def measure_target(runner, context: int, sizes: Sequence[int], repeats: int = 5,
 # ---- the table ------------------------------------------------------------------------------
 
 def cost_table(target: dict, acceptance: Sequence[float], runs: Sequence[dict], mode: str = "chain",
-               max_k: Optional[int] = None) -> list[dict]:
+               max_k: Optional[int] = None, one_forward: bool = False) -> list[dict]:
     """One row per K: predicted tau and speedup, and (where K was decoded) the measured ones.
 
     target: `measure_target`'s dict. acceptance: the head's per-position acceptance (from its longest-K
     run). runs: one dict per decoded K: {k, tau, speedup, draft_s_per_verification, mean_draft_size}.
-    K without a run of its own borrow t_draft from the nearest decoded K, scaled by K / that K (a
-    drafter that drafts token by token; a one-forward drafter is overcharged there)."""
+    K without a run of its own borrow t_draft from the nearest decoded K: scaled by K / that K for a drafter
+    that drafts token by token, as it is for a drafter that drafts its chain in one forward whatever K
+    (`one_forward`: P-EAGLE, the block drafters DFlash and DSpark)."""
     by_k = {int(r["k"]): r for r in runs}
     t_step = target["step_s"]
     top = max_k or max([*by_k, len(acceptance)] or [1])
@@ -111,7 +112,7 @@ def cost_table(target: dict, acceptance: Sequence[float], runs: Sequence[dict], 
             t_draft = run["draft_s_per_verification"]
         elif by_k:
             near = min(by_k, key=lambda j: (abs(j - k), j))
-            t_draft = by_k[near]["draft_s_per_verification"] * k / near
+            t_draft = by_k[near]["draft_s_per_verification"] * (1 if one_forward else k / near)
         else:
             t_draft = 0.0
         if mode == "tree" and run is not None:

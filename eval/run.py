@@ -365,7 +365,8 @@ def cost_report(setup: Setup, drafter: Drafter, samples: dict[str, list[metrics.
     context = int(metrics.median([len(render(setup.target.tokenizer, p, [])) for p in setup.prompts])
                   + metrics.median([s.new_tokens for s in base]) / 2)
     measured = cost.measure_target(setup.runner, context, sizes, cfg.cost_repeats, tree_sizes)
-    table = cost.cost_table(measured, acceptance, rows, mode=d.mode, max_k=max(runs))
+    one_forward = bool(getattr(drafter.make(), "one_forward", False))  # its cost per cycle, whatever K
+    table = cost.cost_table(measured, acceptance, rows, mode=d.mode, max_k=max(runs), one_forward=one_forward)
     best = cost.best_measured(table)
     out["cost_model"] = {"target": measured, "acceptance_per_position": acceptance, "acceptance_from_k": longest["k"],
                          "table": table, "formula": "speedup(K) = tau(K) * t_step / (t_verify(K+1) + t_draft(K))"}

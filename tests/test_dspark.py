@@ -17,12 +17,15 @@ from method_checks import (SAMPLING_V, check_greedy_is_token_identical_to_target
 from method_checks import tiny_data  # noqa: F401  (a fixture)
 from safetensors.torch import load_file
 from test_decoder_peagle import _target
+from test_eval_run import eval_cfg
+from test_eval_run import questions  # noqa: F401  (a fixture)
 
 from draftsmith.core import DraftsmithError
 from draftsmith.core.methods import method_for_folder, methods
 from draftsmith.core.sampling import SamplingConfig, process_logits
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.eval.decoder import DraftingConfig, speculative_generate
+from draftsmith.eval.run import run as run_eval
 from draftsmith.eval.proposers.dspark import DSparkProposer
 from draftsmith.eval.target_runner import TargetRunner
 from draftsmith.heads.dflash import DFlashHead, dflash_config_from_target
@@ -387,3 +390,17 @@ _matches, test_negative_control_resampling_from_p_fails = statistical_sampling_t
 def test_sampling_matches_target_distribution():
     pval, stat, df = _sampled_pvalue(SamplingConfig(temperature=1.0))
     assert pval > 1e-3, (stat, df)
+
+
+# ---- `draftsmith eval head=<dspark folder>`: the stage end to end ----------------------------------------------
+
+def test_eval_of_a_dspark_folder(tiny_target, questions, tmp_path):
+    """The eval stage loads the folder through the method table, decodes token-identically with target-only
+    (greedy, confidence stops on) and charges the block drafter one forward per cycle in its cost model."""
+    head = random_dspark(tiny_target, draft_vocab=128)
+    folder = save_dspark(head, tmp_path / "head", manifest_target=tiny_target.identity())
+    report = run_eval(eval_cfg(questions, tmp_path / "eval", f"head={folder}", "drafting.num_speculative_tokens=3",
+                               "drafting.stop_below=0.2"))
+    assert report["method"] == "dspark" and report["greedy_identical_fraction"] == 1.0
+    table = report["cost_model"]["table"]
+    assert len({r["t_draft_s"] for r in table}) == 1 and [r["k"] for r in table] == [1, 2, 3]  # K=1, 2 borrow K=3's

@@ -124,6 +124,9 @@ def test_cost_table_extrapolates_and_picks_the_best_measured_k():
     assert rows[0]["break_even_tau"] == pytest.approx((0.033 + 0.003) / 0.03)
     assert cost.best_measured(rows)["k"] == 2
     assert cost.best_measured(cost.cost_table(target, acc, [])) is None
+    block = cost.cost_table(target, acc, runs, one_forward=True)  # one drafter forward per cycle whatever K
+    assert block[0]["t_draft_s"] == pytest.approx(0.006) and block[6]["t_draft_s"] == pytest.approx(0.015)
+    assert block[1]["t_draft_s"] == rows[1]["t_draft_s"]  # a decoded K keeps its own
 
 
 def sglang_parser() -> argparse.ArgumentParser:

@@ -39,6 +39,7 @@ class ModelProposer:
     """
 
     needs_aux = False
+    one_forward = False  # a drafter step per depth: its cost grows with K (eval/cost.py cost_table)
 
     def propose(self, drafting: DraftingConfig, sampling: SamplingConfig, generator=None) -> Draft:
         chain = drafting.mode == "chain"
@@ -123,6 +124,7 @@ class OneForwardProposer:
     """
 
     needs_aux = True
+    one_forward = True  # one drafter forward per cycle whatever K (eval/cost.py cost_table)
 
     def __init__(self, head, target_vocab_size: int, max_len: int, method: str):
         cfg = head.config
