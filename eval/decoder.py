@@ -37,7 +37,8 @@ class DraftingConfig:
     tree_top_k: int = 4  # branching
     tree_budget: int = 32  # max draft tokens per step
     # Dynamic draft length (chain mode): a chain ends with its first token whose drafter probability is below
-    # this; 0 = off, always num_speculative_tokens. Lossless: a sampled token keeps the q it was drawn from.
+    # this (a DSpark drafter: its confidence head's predicted acceptance, as llama.cpp's draft-dspark); 0 = off,
+    # always num_speculative_tokens. Lossless: a sampled token keeps the q it was drawn from.
     stop_below: float = 0.0  # chain drafting: stop before a depth whose top drafter probability is below this (0 = off)
 
     def __post_init__(self):
