@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import torch
 from omegaconf.errors import MissingMandatoryValue
 
-from draftsmith.core import DraftsmithError, checks
+from draftsmith.core import DraftsmithError, checks, llamacpp
 from draftsmith.core.artifacts import MANIFEST, claim_output, owns, prepare_output, read_manifest
 from draftsmith.data_gen.target import DTYPES, KNOWN_TARGETS, PRESETS, TargetConfig, load_target, torch_dtype
 from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS, served_folder
@@ -34,7 +35,10 @@ class ExportConfig:
     # head's target, e.g. the embedded GGUF's cached safetensors copy)
     target_dir: Optional[str] = None
     num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS  # K; speculators: the greedy proposal's length
-    dtype: str = "bfloat16"  # dtype of the written weights: bfloat16 | float16 | float32
+    # dtype of a folder format's weights: bfloat16 | float16 | float32; null = bfloat16 (format=gguf: gguf_outtype)
+    dtype: Optional[str] = None
+    # format=gguf: the file's weight type, llama.cpp's --outtype: f32 | f16 | bf16 | q8_0 (docs/llamacpp.md)
+    gguf_outtype: str = llamacpp.OUTTYPE
     include_embeddings: bool = True  # False: engines share the target's embeddings
     overwrite: bool = False  # true: replace an out folder that is not an earlier export (never the head's)
 
@@ -44,7 +48,9 @@ class ExportConfig:
         if self.format is not None:
             checks.one_of("format", self.format, export_formats())
         checks.at_least("num_speculative_tokens", self.num_speculative_tokens, 1)
-        checks.one_of("dtype", self.dtype, DTYPES)
+        if self.dtype is not None:
+            checks.one_of("dtype", self.dtype, DTYPES)
+        checks.one_of("gguf_outtype", self.gguf_outtype, llamacpp.OUTTYPES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,6 +83,8 @@ def run(cfg: ExportConfig) -> Path:
     if fmt not in method.formats:
         raise DraftsmithError(f"format={fmt} is not a format of {method.name} heads; choose from "
                               f"{', '.join(method.formats) or 'none (it cannot be exported)'}.")
+    if fmt == "gguf" and cfg.dtype is not None:
+        refuse_gguf_dtype(cfg.dtype)
     out = Path(cfg.out) if cfg.out else head_dir.with_name(f"{head_dir.name}-{fmt}")
     inputs = [("head", head_dir)] + ([("verifier", cfg.verifier)] if cfg.verifier else [])
     out = prepare_output(out, "export", inputs, overwrite=bool(cfg.overwrite))
@@ -87,14 +95,28 @@ def run(cfg: ExportConfig) -> Path:
         claim_output(out, "export")  # the atomic swap below then replaces only our own folder
     verifier = cfg.verifier or (default_verifier((target or {}).get("target_id")) if fmt == "speculators" else None)
     target_id = (target or {}).get("target_id")
-    options = FormatOptions(torch_dtype(cfg.dtype), cfg.include_embeddings, verifier, cfg.num_speculative_tokens,
-                            lambda: head_target_folder(cfg.target_dir, target_id))
+    options = FormatOptions(torch_dtype(cfg.dtype or FOLDER_DTYPE), cfg.include_embeddings, verifier,
+                            cfg.num_speculative_tokens, lambda: head_target_folder(cfg.target_dir, target_id),
+                            cfg.gguf_outtype)
     try:
         return method.formats[fmt](drafter, out, target, options)
     except BaseException:
         if created:  # made just now, holding only our claim: a failed export leaves nothing behind
             shutil.rmtree(out, ignore_errors=True)
         raise
+
+
+FOLDER_DTYPE = "bfloat16"  # a folder format's weights when dtype is not given
+GGUF_OF_DTYPE = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}  # the dtype route it replaced
+
+
+def refuse_gguf_dtype(dtype: str) -> None:
+    """format=gguf's type is gguf_outtype alone (one name, one default): a dtype= given with it, as configs written
+    before gguf_outtype did, is refused with the gguf_outtype that writes what that dtype wrote."""
+    same = GGUF_OF_DTYPE.get(torch_dtype(dtype))
+    instead = f"gguf_outtype={same}" if same else f"gguf_outtype=<{' | '.join(llamacpp.OUTTYPES)}>"
+    raise DraftsmithError(f"format=gguf writes the weight type gguf_outtype names ({', '.join(llamacpp.OUTTYPES)}), "
+                          f"not dtype: pass {instead} in place of dtype={dtype}.")
 
 
 def default_verifier(target_id: Optional[str]) -> Optional[str]:

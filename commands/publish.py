@@ -33,13 +33,13 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from draftsmith.core import DraftsmithError, checks
+from draftsmith.core import DraftsmithError, checks, llamacpp
 from draftsmith.core.artifacts import (MANIFEST, OWNER, RECORD, atomic_folder, atomic_write_bytes, atomic_write_json,
                                           claim_output, prepare_output, read_manifest, read_record)
 from draftsmith.data_gen.target import DTYPES, KNOWN_TARGETS, PRESETS, torch_dtype
 from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS, Engines
 from draftsmith.eval.cost import serving_settings
-from draftsmith.export import is_set
+from draftsmith.export import head_target_folder, is_set
 from draftsmith.heads.folders import FormatOptions
 from draftsmith.core.trust import check_weights_file
 from draftsmith.heads.folders import WEIGHTS, weights_sha256
@@ -66,6 +66,9 @@ class PublishConfig:
     # K in the serving commands and the speculators config; null = the eval report's, else 3
     num_speculative_tokens: Optional[int] = None
     dtype: str = "bfloat16"  # dtype of the published weights: bfloat16 | float16 | float32
+    # formats with gguf: the GGUF file's weight type, export's gguf_outtype (llama.cpp's --outtype): f32 | f16 | bf16 |
+    # q8_0
+    gguf_outtype: str = llamacpp.OUTTYPE
     include_embeddings: bool = True  # false: engines share the target's embeddings
     overwrite: bool = False  # true: replace an out folder that is not an earlier publish folder (never the head's)
     # seconds one Hub request may wait to connect or for data before publish gives up (per request, not the upload)
@@ -88,6 +91,7 @@ class PublishConfig:
             check_license(self.license)
         checks.at_least("num_speculative_tokens", self.num_speculative_tokens, 1, null="the eval report's K")
         checks.one_of("dtype", self.dtype, DTYPES)
+        checks.one_of("gguf_outtype", self.gguf_outtype, llamacpp.OUTTYPES)
         checks.positive("hub_timeout", self.hub_timeout)
 
 
@@ -375,8 +379,10 @@ def method_defaults(method) -> dict:
 
 
 def build_card(cfg, base_model: str, license: str, report: Optional[dict], summary: dict, k: int,
-               formats: list[str], plot: bool, method, num_layers: Optional[int] = None) -> str:
-    """README.md: Hub metadata (base_model, license, library_name, tags, pipeline_tag, model-index) + the card."""
+               formats: list[str], plot: bool, method, num_layers: Optional[int] = None,
+               gguf_file: Optional[str] = None) -> str:
+    """README.md: Hub metadata (base_model, license, library_name, tags, pipeline_tag, model-index) + the card.
+    `gguf_file`: the folder's GGUF file (formats with gguf), which llama.cpp's command then names."""
     from huggingface_hub import ModelCard, ModelCardData
 
     name = cfg.repo_id.split("/")[1]
@@ -402,14 +408,20 @@ def build_card(cfg, base_model: str, license: str, report: Optional[dict], summa
         body += ["SGLang:", "", "```bash", commands["sglang"], "```", ""]
     else:
         body += [parts["no_sglang"], ""]
-    if "llamacpp" in commands:  # llama.cpp loads GGUF files only: the target's, and this head converted
+    if "llamacpp" in commands and gguf_file:  # this repo's GGUF file, at the type it was written in
+        body += [f"llama.cpp (CPU), with this repo's `{gguf_file}` ({cfg.gguf_outtype} weights, written by llama.cpp's "
+                 "own converter) and the target as a GGUF file:", "", "```bash",
+                 commands["llamacpp"].replace("<head>.gguf", gguf_file), "```", ""]
+    elif "llamacpp" in commands:  # llama.cpp loads GGUF files only: the target's, and this head converted
         body += ["llama.cpp (CPU), after `draftsmith export head=<this folder> format=gguf` (llama.cpp's own "
                  "converter) and with the target as a GGUF file:", "", "```bash", commands["llamacpp"], "```", ""]
     body += [f"K = {k} speculative tokens" + (" (the eval's setting)." if report else "."), ""]
     body += eval_section(report, plot) + method_section(summary, parts)
-    body += ["## Files", ""] + [f"- `{'.' if i == 0 else fmt + '/'}`: the {fmt} format ({parts['files'][fmt]})"
+    files = parts["files"] | {"gguf": f"llama.cpp's `-md` file, {cfg.gguf_outtype} weights"}
+    body += ["## Files", ""] + [f"- `{'.' if i == 0 else fmt + '/'}`: the {fmt} format ({files[fmt]})"
                                 for i, fmt in enumerate(formats)]
-    body += ["", f"Trained, measured and published with draftsmith; weights in {cfg.dtype}.", ""]
+    weights = cfg.dtype + (f" (`{gguf_file}`: {cfg.gguf_outtype})" if gguf_file else "")
+    body += ["", f"Trained, measured and published with draftsmith; weights in {weights}.", ""]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body)))
 
 
@@ -513,7 +525,9 @@ def write_formats(folder: Path, tmp: Path, formats: list[str], cfg, base_model: 
     """Export the head into tmp with its method's writers: the first format at the root, the others in subfolders."""
     head = method.load(folder)
     target = read_manifest(folder).get("target") if (folder / MANIFEST).is_file() else None
-    options = FormatOptions(torch_dtype(cfg.dtype), cfg.include_embeddings, verifier=base_model, num_speculative_tokens=k)
+    target_id = (target or {}).get("target_id")
+    options = FormatOptions(torch_dtype(cfg.dtype), cfg.include_embeddings, verifier=base_model, num_speculative_tokens=k,
+                            target_folder=lambda: head_target_folder(None, target_id), gguf_outtype=cfg.gguf_outtype)
     for i, fmt in enumerate(formats):
         sub = tmp / (f".{fmt}-root" if i == 0 else fmt)
         method.formats[fmt](head, sub, target, options)
@@ -545,8 +559,9 @@ def write_publish_folder(cfg, out: Path, folder: Path, report: Optional[tuple[di
                     shutil.copyfile(where / name, tmp / "eval" / name)
             plot = (tmp / "eval" / "report.png").is_file()
         summary = training_summary(folder, method.offline_data)
+        gguf_file = next((p.relative_to(tmp).as_posix() for p in sorted(tmp.rglob("*.gguf"))), None)
         card = build_card(cfg, base_model, license, report[0] if report else None, summary, k, formats, plot, method,
-                          read_folder_config(folder).get("num_hidden_layers"))
+                          read_folder_config(folder).get("num_hidden_layers"), gguf_file)
         atomic_write_bytes(tmp / "README.md", card.encode())
         if public is not None:
             public.rewrite(tmp)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from draftsmith.core import DraftsmithError, checks
+from draftsmith.core import DraftsmithError, checks, llamacpp
 from draftsmith.data_gen.config import PromptSetConfig
 from draftsmith.data_gen.target import TargetConfig
 from draftsmith.eval.decoder import DraftingConfig
@@ -96,6 +96,9 @@ class EvalConfig:
     # engine=llamacpp: the target llama-server loads. same: its own GGUF (e.g. the embedded Q4_1 file; llama.cpp
     # computes with the quantised blocks); f32 | bf16: the weights draftsmith computes with, converted
     llamacpp_target: str = "same"
+    # engine=llamacpp: the head's GGUF weight type, export's gguf_outtype (llama.cpp's --outtype): f32 | f16 | bf16 |
+    # q8_0; the τ agreement with the built-in decoder is a check only at the converted target's own type (f32 | bf16)
+    gguf_outtype: str = llamacpp.OUTTYPE
 
     def __post_init__(self):
         if not self.head:
@@ -108,6 +111,7 @@ class EvalConfig:
         checks.at_least("near_tie_eps", self.near_tie_eps, 0)
         checks.one_of("engine", self.engine, ENGINES)
         checks.one_of("llamacpp_target", self.llamacpp_target, LLAMACPP_TARGETS)
+        checks.one_of("gguf_outtype", self.gguf_outtype, llamacpp.OUTTYPES)
         checks.one_of("ngram_match", self.ngram_match, NGRAM_MATCHES)
         check_engine_options(self)
         if self.ngram_first and self.head in ("ngram", "none"):

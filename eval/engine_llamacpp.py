@@ -8,8 +8,8 @@ decodes an eval run's prompts there, one llama-server per run, and returns the r
                       n-gram (llama.cpp's mixing: the n-gram draft when the context has a match, else the head's)
     target_gguf       what llama-server loads as the target: the target's own GGUF (the Q4_1 file the head was
                       trained on), or with llamacpp_target=f32|bf16 its dequantised weights converted
-    head_gguf         the head written by `export format=gguf` into a temporary folder (float32 beside an f32
-                      target)
+    head_gguf         the head written by `export format=gguf gguf_outtype=<eval's gguf_outtype>` into a temporary
+                      folder
     llamacpp_report   decode every run, then per run: greedy output, τ and per-position acceptance from
                       llama.cpp's counters, tokens/s from its clock, speedup against its target-only run
 
@@ -59,11 +59,13 @@ def target_gguf(target, how: str) -> Path:
     return cached
 
 
-def head_gguf(drafter, write_gguf, target, folder: Path, dtype: torch.dtype) -> Path:
-    """The head written by its method's gguf writer `write_gguf` (what `export format=gguf` runs) into `folder`."""
+def head_gguf(drafter, write_gguf, target, folder: Path, outtype: str) -> Path:
+    """The head written by its method's gguf writer `write_gguf` (what `export format=gguf gguf_outtype=<outtype>`
+    runs) into `folder`."""
     path = Path(drafter.info["path"])
     manifest_target = read_manifest(path).get("target") if (path / MANIFEST).is_file() else target.identity()
-    options = FormatOptions(dtype, target_folder=lambda: Path(served_folder(target, "engine=llamacpp")))
+    options = FormatOptions(torch.float32, target_folder=lambda: Path(served_folder(target, "engine=llamacpp")),
+                            gguf_outtype=outtype)
     write_gguf(drafter.model, folder, manifest_target, options)
     return next(folder.glob("*.gguf"))
 
@@ -141,20 +143,21 @@ def llamacpp_report(setup, drafter, samples: dict[str, list[metrics.Sample]], re
     with tempfile.TemporaryDirectory(prefix="draftsmith-llamacpp-") as tmp:
         draft = None
         if any(r["draft"] for r in runs):
-            dtype = torch.float32 if how in ("same", "f32") else torch.bfloat16
             if write_gguf is None:
                 raise DraftsmithError(f"engine=llamacpp: {drafter.method} heads have no GGUF format.")
-            draft = head_gguf(drafter, write_gguf, setup.target, Path(tmp) / "head", dtype)
+            draft = head_gguf(drafter, write_gguf, setup.target, Path(tmp) / "head", cfg.gguf_outtype)
         for run in progress(runs, desc="llama.cpp", unit="run", enabled=cfg.progress):
             results[run["name"]] = decode_run(model, draft, run, prompts, cfg.max_new_tokens, cfg.repeats,
                                               cfg.warmup_prompts, threads, ctx)
     engine_base = results[TARGET_ONLY]
     base_tps = tps(engine_base)
+    converted = model.parent.name == "llamacpp-targets"
     section = {"name": "llamacpp", "version": f"{llamacpp.VERSION}-{llamacpp.COMMIT}", "target": str(model),
-               "target_weights": how, "threads": threads,
-               # converted from the weights draftsmith computes with: the τ agreement is expected to hold; a GGUF
-               # served as it is (Q4_1) computes another function, and its agreement is a reading, not a check
-               "same_function_as_builtin": model.parent.name == "llamacpp-targets",
+               "target_weights": how, "head_gguf_outtype": cfg.gguf_outtype, "threads": threads,
+               # the target converted from the weights draftsmith computes with and the head at that same type: the τ
+               # agreement is expected to hold; a GGUF served as it is (Q4_1), or a head at another type (q8_0 rounds
+               # its weights), computes another function, and its agreement is a reading, not a check
+               "same_function_as_builtin": converted and cfg.gguf_outtype == ("bf16" if how == "bf16" else "f32"),
                "counting": "llama-server's Prometheus counters per request: tau = 1 + accepted / drafts (a "
                            "verification with a draft is one draft), per-position = accepted at i / drafts; the "
                            "built-in decoder's figures beside them are counted the same way",
@@ -239,7 +242,8 @@ def recommendation(section: dict, drafter, cfg) -> Optional[dict]:
         settings["command"] = settings["command"].replace("<target>.gguf", section["target"])
         if "<head>.gguf" in settings["command"]:
             out = f"{drafter.info.get('path')}-gguf"
-            settings["export_command"] = f"draftsmith export head={drafter.info.get('path')} format=gguf out={out}"
+            settings["export_command"] = (f"draftsmith export head={drafter.info.get('path')} format=gguf "
+                                          f"gguf_outtype={cfg.gguf_outtype} out={out}")
             settings["command"] = settings["command"].replace("<head>.gguf", f"{out}/{method}.gguf")
     return {"k": best["k"], "mode": "chain", "drafter": name, "measured_speedup": best["speedup"],
             "measured_by": "llamacpp", "predicted_speedup": None, "faster_than_target_only": best["speedup"] > 1.0,

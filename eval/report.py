@@ -161,7 +161,8 @@ ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "llamacpp": "llama.cpp"}
 
 def agreement_cells(run: dict, checked: bool = True) -> tuple[str, str, str, str]:
     """An engine run's built-in columns: τ, per-position, the equality check and the speedup ("-" where absent).
-    `checked` False: the engine served another function (a quantised GGUF), so the equality is a reading."""
+    `checked` False: the engine served another function (a quantised GGUF target or head), so the equality is a
+    reading."""
     a = run.get("agreement") or {}
     ours = " / ".join(_f(x, 3) for x in a.get("per_position_builtin", [])) or "-"
     if not a:
@@ -169,7 +170,7 @@ def agreement_cells(run: dict, checked: bool = True) -> tuple[str, str, str, str
     elif checked:
         eq = f"{'yes' if a['equal'] else '**no**'} ({a['tolerance']})"
     else:
-        eq = f"{'yes' if a['equal'] else 'no'} (quantised target: not expected)"
+        eq = f"{'yes' if a['equal'] else 'no'} (quantised target or head: not expected)"
     tb = _f(a["tau_builtin"], 3) if a else "-"
     sb = f"{_f(run['builtin_speedup'])}x" if run.get("builtin_speedup") is not None else "-"
     return tb, ours, eq, sb
@@ -180,8 +181,10 @@ def llamacpp_lines(report: dict) -> list[str]:
     e = report.get("llamacpp")
     if not e:
         return []
+    head = f", head GGUF {e['head_gguf_outtype']}" if e.get("head_gguf_outtype") else ""  # (older reports: none)
     lines = ["", f"## llama.cpp {e['version']} (the same prompts, engine=llamacpp)", "",
-             f"- target {e['target']} ({e['target_weights']}), greedy, one slot, {e['threads']} threads; target-only "
+             f"- target {e['target']} ({e['target_weights']}){head}, greedy, one slot, {e['threads']} threads; "
+             f"target-only "
              f"output identical to the built-in decoder's: {_f(e['target_only_identical_to_builtin'])}; target-only "
              f"{_f(e['target_only_tokens_per_s'], 1)} tok/s",
              f"- counting: {e['counting']}",
@@ -200,7 +203,7 @@ def llamacpp_lines(report: dict) -> list[str]:
     found = e.get("target_only_divergences", []) + [d | {"run": n} for n, r in e["runs"].items()
                                                    for d in r.get("divergences", [])]
     if found:
-        expected = "" if e.get("same_function_as_builtin", True) else " (a quantised target: expected)"
+        expected = "" if e.get("same_function_as_builtin", True) else " (a quantised target or head: expected)"
         lines += ["", f"Where an output leaves its target-only reference{expected}:", ""]
     for d in found:
         lines.append(f"- {d.get('run', 'target-only vs built-in')}: prompt {d['prompt']} leaves at token "

@@ -15,6 +15,7 @@ A method's own folders live in heads/<method>_folders.py.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -349,6 +350,7 @@ class FormatOptions:
     verifier: Optional[str] = None  # speculators: the verifier's HF id or folder
     num_speculative_tokens: int = 3  # speculators: the greedy proposal's length
     target_folder: Optional[Callable[[], Path]] = None  # -> the target's HF folder (config + tokenizer), when needed
+    gguf_outtype: str = llamacpp.OUTTYPE  # gguf: the file's weight type (llama.cpp's --outtype), not `dtype`
 
     def target_dir(self) -> Path:
         if self.target_folder is None:
@@ -406,23 +408,23 @@ def weights_sha256(folder: str | os.PathLike) -> str:
 # ---------------------------------------------------------------------------------------------
 # format=gguf: llama.cpp
 
-GGUF_OUTTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}  # export dtype -> --outtype
-
-
 def gguf_writer(save_folder: Callable[..., Path], file_name: str, needs_target: bool = False) -> FormatWriter:
     """format=gguf: the drafter written in its engine folder format by `save_folder(drafter, folder,
     manifest_target, options)` into a temporary folder, then converted by llama.cpp's own converter
-    (draftsmith.core.llamacpp) into `out/<file_name>`. `needs_target`: the converter reads the target's config and
-    tokenizer (EAGLE-3: `--target-model-dir`, options.target_folder())."""
+    (draftsmith.core.llamacpp) at `options.gguf_outtype` into `out/<file_name>`. `needs_target`: the converter reads
+    the target's config and tokenizer (EAGLE-3: `--target-model-dir`, options.target_folder())."""
     def write(drafter: torch.nn.Module, folder: Path, manifest_target: Optional[dict], options) -> Path:
         target_dir = options.target_dir() if needs_target else None
+        # the folder in float32 (exact for any weights), so that the converter rounds once, to gguf_outtype
+        full = dataclasses.replace(options, dtype=torch.float32)
         with tempfile.TemporaryDirectory(prefix="draftsmith-gguf-") as tmp:
-            hf = save_folder(drafter, Path(tmp) / "hf", manifest_target, options)
+            hf = save_folder(drafter, Path(tmp) / "hf", manifest_target, full)
             with atomic_folder(folder, owner="export") as out:
-                gguf = llamacpp.convert(hf, out / file_name, GGUF_OUTTYPES[options.dtype], target_dir)
+                gguf = llamacpp.convert(hf, out / file_name, options.gguf_outtype, target_dir)
                 if manifest_target is not None:
                     write_manifest(out, "export", manifest_target, {"bytes": gguf.stat().st_size}, format="gguf",
-                                   gguf=file_name, converter=f"llama.cpp {llamacpp.VERSION}-{llamacpp.COMMIT}")
+                                   gguf=file_name, gguf_outtype=options.gguf_outtype,
+                                   converter=f"llama.cpp {llamacpp.VERSION}-{llamacpp.COMMIT}")
                 else:
                     claim_output(out, "export")
         return folder

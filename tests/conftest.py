@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -150,6 +151,28 @@ def llamacpp_ready():
 
     require(llamacpp.llamacpp_missing(), "llama.cpp")
     return llamacpp.llamacpp_home()
+
+
+@pytest.fixture
+def llamacpp_gguf(llamacpp_ready):
+    """llama.cpp's own gguf-py (PyPI gguf has no EAGLE-3 keys, and draftsmith's target loader imports PyPI's): the
+    in-tree package imported in place of any gguf already loaded, which comes back afterwards."""
+    path = str(llamacpp_ready / "src" / "gguf-py")
+    ours = lambda name: name == "gguf" or name.startswith("gguf.")  # noqa: E731
+    saved = {name: module for name, module in sys.modules.items() if ours(name)}
+    for name in saved:
+        del sys.modules[name]
+    sys.path.insert(0, path)
+    try:
+        import gguf
+
+        assert Path(gguf.__file__).resolve().is_relative_to(Path(path).resolve()), gguf.__file__
+        yield gguf
+    finally:
+        sys.path.remove(path)
+        for name in [n for n in sys.modules if ours(n)]:
+            del sys.modules[name]
+        sys.modules.update(saved)
 
 
 def require(missing, what: str) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -52,11 +51,11 @@ BROKEN = ("eagle3_d2t_zeroed", "eagle3_aux_layers_shifted")
 
 @pytest.fixture(scope="module")
 def ggufs(llamacpp_ready, engine_head, smollm2_target, tmp_path_factory):
-    """name -> GGUF file: each head's `export format=gguf` (float32), the broken copies, and the F32 target."""
+    """name -> GGUF file: each head's `export format=gguf gguf_outtype=f32`, the broken copies, and the F32 target."""
     root = tmp_path_factory.mktemp("llamacpp")
     out = {"root": root}
     for name in HEADS:
-        folder = export(compose("export", [f"head={engine_head(name)}", "format=gguf", "dtype=float32",
+        folder = export(compose("export", [f"head={engine_head(name)}", "format=gguf", "gguf_outtype=f32",
                                            f"out={root / ('x-' + name)}"]))
         out[name] = next(folder.glob("*.gguf"))
     # the broken copies: the EAGLE-3 folder the gguf export converts, one thing llama.cpp reads made wrong
@@ -174,11 +173,13 @@ def test_eval_engine_llamacpp(engine_data, engine_head, llamacpp_ready, tmp_path
     """`draftsmith eval engine=llamacpp`: target-only, the head, n-gram and head + n-gram in llama-server; the report's
     llamacpp section beside the built-in figures, and the recommendation from llama.cpp's measured best."""
     report = ev.run(compose("eval", COMMON + [f"head={engine_head('eagle3')}", "engine=llamacpp", "llamacpp_target=f32",
+                                              "gguf_outtype=f32",
                                               "prompts.source=holdout", f"prompts.path={engine_data}",
                                               "prompts.holdout=3", "max_new_tokens=32", "repeats=1", "warmup_prompts=0",
                                               "cost_repeats=1", "progress=false",
                                               "plot=false", f"drafting.num_speculative_tokens={K}", f"out={tmp_path}"]))
     e = report["llamacpp"]
+    assert e["head_gguf_outtype"] == "f32"
     assert e["same_function_as_builtin"] and all(d["margin"] < FP32_NEAR_TIE for d in e["target_only_divergences"])
     assert set(e["runs"]) == {"eagle3", "ngram", "ngram+eagle3"}
     for name, run in e["runs"].items():  # identical, or a near-tie (FP32_NEAR_TIE, above) where it leaves
@@ -196,28 +197,6 @@ def test_eval_engine_llamacpp(engine_data, engine_head, llamacpp_ready, tmp_path
 
 # --------------------------------------------------------------------------- the files, read back
 
-@pytest.fixture
-def llamacpp_gguf(llamacpp_ready):
-    """llama.cpp's own gguf-py (PyPI gguf has no EAGLE-3 keys, and draftsmith's target loader imports PyPI's): the
-    in-tree package imported in place of any gguf already loaded, which comes back afterwards."""
-    path = str(llamacpp_ready / "src" / "gguf-py")
-    ours = lambda name: name == "gguf" or name.startswith("gguf.")  # noqa: E731
-    saved = {name: module for name, module in sys.modules.items() if ours(name)}
-    for name in saved:
-        del sys.modules[name]
-    sys.path.insert(0, path)
-    try:
-        import gguf
-
-        assert Path(gguf.__file__).resolve().is_relative_to(Path(path).resolve()), gguf.__file__
-        yield gguf
-    finally:
-        sys.path.remove(path)
-        for name in [n for n in sys.modules if ours(n)]:
-            del sys.modules[name]
-        sys.modules.update(saved)
-
-
 def gguf_fields(gguf, path: Path) -> dict:
     reader = gguf.GGUFReader(path)
     return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("tokenizer.")}
@@ -228,7 +207,7 @@ def test_eagle3_gguf_reads_back_with_its_target_layers(ggufs, llamacpp_gguf, smo
     captures each layer's input) and the target's hidden size, in F32 as exported."""
     out = ggufs["eagle3"].parent
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["format"] == "gguf" and manifest["gguf"] == "eagle3.gguf"
+    assert manifest["format"] == "gguf" and manifest["gguf"] == "eagle3.gguf" and manifest["gguf_outtype"] == "f32"
     assert manifest["counts"]["bytes"] == ggufs["eagle3"].stat().st_size
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["eagle3.gguf", "manifest.json"]
     gguf = llamacpp_gguf
@@ -252,10 +231,11 @@ def test_draft_gguf_reads_back_as_llama_and_a_second_export_replaces_it(ggufs, l
     assert fields[gguf.Keys.LLM.BLOCK_COUNT.format(arch=arch)] == layers
     again = shutil.copytree(out, ggufs["root"] / "draft-again")  # the module's folder stays as it was
     before = (again / "draft.gguf").stat().st_size
-    assert export(compose("export", [f"head={engine_head('draft')}", "format=gguf", "dtype=bfloat16",
+    assert export(compose("export", [f"head={engine_head('draft')}", "format=gguf", "gguf_outtype=bf16",
                                      f"out={again}"])) == again
     after = (again / "draft.gguf").stat().st_size
     assert after < before  # bf16 weights in place of f32 ones
-    assert json.loads((again / "manifest.json").read_text())["counts"]["bytes"] == after
+    manifest = json.loads((again / "manifest.json").read_text())
+    assert manifest["counts"]["bytes"] == after and manifest["gguf_outtype"] == "bf16"
     assert gguf_fields(gguf, again / "draft.gguf")[gguf.Keys.General.FILE_TYPE] == gguf.LlamaFileType.MOSTLY_BF16
     assert not [p for p in again.parent.iterdir() if p.name.startswith(".draft-again")]  # no temporary beside it

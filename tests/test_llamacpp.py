@@ -1,6 +1,8 @@
 """llama.cpp beside draftsmith, the fast part: its /metrics counters, the llama-server flags of the serving
 settings, the sentence that says it is not built, a llama-server that cannot start, `export format=gguf` (refused
-in one sentence for P-EAGLE and DFlash, and into a folder that is not its own) and eval's engine=llamacpp options.
+in one sentence for P-EAGLE and DFlash, and into a folder that is not its own), its `gguf_outtype` through export,
+eval and publish (the converter replaced, and one real q8_0 conversion read back) and eval's engine=llamacpp
+options.
 
 The tests that run llama.cpp's binary or converter skip with the sentence of `llamacpp_missing()` where it is not
 built (`bash scripts/setup.sh --engine`), and fail where DRAFTSMITH_REQUIRE_ENGINE=1. The slow half, every GGUF
@@ -12,12 +14,14 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from draftsmith.core import DraftsmithError, llamacpp
 from draftsmith.cli import main
@@ -26,6 +30,7 @@ from draftsmith.eval import cost
 from draftsmith.eval import engine_llamacpp as ll
 from draftsmith.eval.config import LLAMACPP_TARGETS
 from draftsmith.eval.engine_vllm import TARGET_ONLY
+from draftsmith.eval.metrics import Sample
 from draftsmith.eval.proposers.ngram import NGRAM_ENGINES
 from draftsmith.export import run as export
 from draftsmith.core.methods import method_for_folder, methods
@@ -271,16 +276,18 @@ def test_recommendation_is_the_fastest_run_with_its_command():
     section = {"target": "/models/target.gguf", "runs": {
         "eagle3": {"k": 3, "speedup": 1.4}, "eagle3@K=5": {"k": 5, "speedup": 1.7},
         "ngram": {"k": 3, "speedup": 1.1}, "ngram+eagle3": {"k": 3, "speedup": 1.5}}}
-    rec = ll.recommendation(section, drafter, SimpleNamespace(ngram_max=3, drafting=SimpleNamespace(stop_below=0.0)))
+    cfg = SimpleNamespace(ngram_max=3, drafting=SimpleNamespace(stop_below=0.0), gguf_outtype="q8_0")
+    rec = ll.recommendation(section, drafter, cfg)
     assert (rec["drafter"], rec["k"], rec["measured_speedup"]) == ("eagle3@K=5", 5, 1.7)
     assert rec["faster_than_target_only"] and rec["measured_by"] == "llamacpp"
     command = rec["llamacpp"]["command"]
     assert command.startswith("llama-server -m /models/target.gguf -md ") and "--spec-draft-n-max 5" in command
     drafter_file = command.split(" -md ", 1)[1].split(" --spec-type ", 1)[0]  # export's output, by its command
     assert drafter_file == "runs/h/final-gguf/eagle3.gguf"
-    assert rec["llamacpp"]["export_command"] == "draftsmith export head=runs/h/final format=gguf out=runs/h/final-gguf"
+    assert rec["llamacpp"]["export_command"] == ("draftsmith export head=runs/h/final format=gguf gguf_outtype=q8_0 "
+                                                 "out=runs/h/final-gguf")
     section["runs"]["ngram"]["speedup"] = 2.0
-    rec = ll.recommendation(section, drafter, SimpleNamespace(ngram_max=3, drafting=SimpleNamespace(stop_below=0.0)))
+    rec = ll.recommendation(section, drafter, cfg)
     assert rec["drafter"] == "ngram" and " -md " not in rec["llamacpp"]["command"]
 
 
@@ -433,6 +440,148 @@ def test_gguf_export_into_a_folder_of_other_files_is_refused(tiny_files, tmp_pat
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
 
 
+# --------------------------------------------------------------------------- gguf_outtype: the GGUF's weight type
+
+def fake_converter(tmp_path: Path, monkeypatch) -> list[dict]:
+    """llama.cpp's converter replaced: each call's command line and the dtypes of the folder it was handed are
+    recorded, and the file it names is written (llama-server and the converter stand there as empty files)."""
+    home = tmp_path / "fake-llamacpp"
+    for part in (home / "build" / "bin" / "llama-server", home / "src" / "convert_hf_to_gguf.py"):
+        part.parent.mkdir(parents=True, exist_ok=True)
+        part.write_text("")
+    monkeypatch.setenv(llamacpp.HOME_ENV, str(home))
+    calls = []
+
+    def run(command, **kwargs):
+        with safe_open(Path(command[2]) / "model.safetensors", "pt") as f:
+            dtypes = {f.get_slice(name).get_dtype() for name in f.keys()}
+        calls.append({"command": command, "dtypes": dtypes})
+        Path(value_after(command, "--outfile")).write_bytes(b"GGUF")
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(llamacpp.subprocess, "run", run)
+    return calls
+
+
+@pytest.mark.parametrize("outtype", [*llamacpp.OUTTYPES, None])
+def test_gguf_outtype_reaches_the_converter_and_the_manifest(outtype, tiny_files, tmp_path, monkeypatch):
+    calls = fake_converter(tmp_path, monkeypatch)
+    given = [f"gguf_outtype={outtype}"] if outtype else []  # None: the default
+    out = export(compose("export", [f"head={tiny_files.draft}", "format=gguf", *given, f"out={tmp_path / 'out'}"]))
+    (call,) = calls
+    assert value_after(call["command"], "--outtype") == (outtype or llamacpp.OUTTYPE)
+    assert call["dtypes"] == {"F32"}  # the converter rounds once, from float32, whatever the type asked
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["gguf"] == "draft.gguf" and manifest["gguf_outtype"] == (outtype or llamacpp.OUTTYPE)
+
+
+@pytest.mark.parametrize("stage", ["export", "eval"])
+def test_a_gguf_outtype_outside_its_choices_is_refused_in_one_sentence(stage):
+    with pytest.raises(DraftsmithError) as e:
+        compose(stage, ["head=runs/h/final", "engine=llamacpp" if stage == "eval" else "format=gguf",
+                        "gguf_outtype=q4_0"])
+    assert str(e.value) == "gguf_outtype=q4_0 is not one of f32, f16, bf16, q8_0."
+    for choice in llamacpp.OUTTYPES:
+        assert compose(stage, ["head=runs/h/final", f"gguf_outtype={choice}"]).gguf_outtype == choice
+
+
+@pytest.mark.parametrize("dtype, instead", [("float32", "f32"), ("bf16", "bf16"), ("float16", "f16")])
+def test_a_gguf_export_given_a_dtype_is_refused_with_the_gguf_outtype_to_pass(dtype, instead, tiny_files, tmp_path,
+                                                                              monkeypatch):
+    """The dtype route to the GGUF's type is gone (one name): a config that still gives it is told what to pass."""
+    calls = fake_converter(tmp_path, monkeypatch)
+    out = tmp_path / "out"
+    with pytest.raises(DraftsmithError) as e:
+        export(compose("export", [f"head={tiny_files.draft}", "format=gguf", f"dtype={dtype}", f"out={out}"]))
+    assert str(e.value) == (f"format=gguf writes the weight type gguf_outtype names (f32, f16, bf16, q8_0), not "
+                            f"dtype: pass gguf_outtype={instead} in place of dtype={dtype}.")
+    assert calls == [] and not out.exists()
+
+
+def test_eval_engine_llamacpp_converts_the_head_at_its_gguf_outtype(tiny_files, tmp_path, monkeypatch):
+    """eval's gguf_outtype reaches the converter through the head's own gguf writer; the report's section and the
+    recommended export command carry it (llama-server replaced: every run gives target-only's tokens)."""
+    calls = fake_converter(tmp_path, monkeypatch)
+    converted = tmp_path / "llamacpp-targets" / "t-f32.gguf"  # as target_gguf names a conversion of its weights
+    monkeypatch.setattr(ll, "target_gguf", lambda target, how: converted)
+    served = []
+
+    def decode_run(model, draft, run, prompts, *args):
+        served.append(draft if run["draft"] else None)
+        out = {"tokens": [[1, 2]] * len(prompts), "seconds": [0.1] * len(prompts)}
+        if run["flags"]:
+            c = {"num_drafts": 1, "num_draft_tokens": 3, "num_accepted_tokens": 1, "num_accepted_tokens_per_pos": [1]}
+            out |= {"counters": c, "per_prompt_counters": [c] * len(prompts)}
+        return out
+
+    monkeypatch.setattr(ll, "decode_run", decode_run)
+    cfg = compose("eval", ["engine=llamacpp", "llamacpp_target=f32", "gguf_outtype=q8_0",
+                           f"head={tiny_files.draft}", "progress=false"])
+    method = methods()["draft"]
+    drafter = SimpleNamespace(method="draft", make=lambda: None, engines=method.engines,
+                              info={"path": str(tiny_files.draft)}, model=method.load(tiny_files.draft))
+    samples = {TARGET_ONLY: [Sample("c", 2, 2, 0.1, tokens=[1, 2], prompt_ids=[5, 6])]}
+    setup = SimpleNamespace(cfg=cfg, drafting=cfg.drafting, target=None, runner=None)
+    out = ll.llamacpp_report(setup, drafter, samples, {}, method.formats["gguf"])
+    (call,) = calls
+    assert value_after(call["command"], "--outtype") == "q8_0"
+    assert {Path(d).name for d in served if d} == {"draft.gguf"}  # the converted head is what llama-server loaded
+    section = out["llamacpp"]
+    assert section["head_gguf_outtype"] == "q8_0"
+    assert section["same_function_as_builtin"] is False  # an F32 target beside a q8_0 head: a reading, not a check
+    assert " gguf_outtype=q8_0 " in out["recommendation"]["llamacpp"]["export_command"]
+
+
+def test_publish_writes_the_gguf_at_its_outtype_and_its_card_serves_that_file(tiny_files, tmp_path, monkeypatch):
+    from draftsmith.publish import PublishConfig, run as publish
+
+    calls = fake_converter(tmp_path, monkeypatch)
+    publish(PublishConfig(head=str(tiny_files.draft), repo_id="someone/tiny-draft", base_model="someone/tiny-base",
+                          license="apache-2.0", formats=["hf", "gguf"], gguf_outtype="q8_0", allow_no_eval=True,
+                          dry_run=True, out=str(tmp_path / "hub")))
+    (call,) = calls
+    assert value_after(call["command"], "--outtype") == "q8_0"
+    assert json.loads((tmp_path / "hub" / "gguf" / "manifest.json").read_text())["gguf_outtype"] == "q8_0"
+    card = (tmp_path / "hub" / "README.md").read_text()
+    assert "with this repo's `gguf/draft.gguf` (q8_0 weights" in card and " -md gguf/draft.gguf " in card, card
+    assert "<head>.gguf" not in card and "- `gguf/`: the gguf format (llama.cpp's `-md` file, q8_0 weights)" in card
+
+
+def smollm2_vocab_eagle3_folder(folder: Path) -> Path:
+    """A random EAGLE-3 head 64 wide over SmolLM2's 49152-token vocabulary: llama.cpp's converter reads SmolLM2's
+    tokenizer (one it knows; the tiny target's byte-level one it refuses) in a few seconds."""
+    from transformers import LlamaForCausalLM
+
+    from draftsmith.core.layers import default_aux_layer_ids
+    from draftsmith.data_gen.target import tiny_model_config
+    from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
+    from draftsmith.heads.eagle3_folders import save_eagle3
+    from draftsmith.heads.vocab import build_vocab_map
+
+    torch.manual_seed(0)
+    config = tiny_model_config(49152, num_layers=4, hidden_size=64)
+    head = Eagle3Head(eagle3_config_from_target(config, DRAFT_VOCAB))
+    head.init_from_target(LlamaForCausalLM(config), *build_vocab_map(torch.randint(0, 1000, (49152,)), DRAFT_VOCAB))
+    identity = {"target_id": "smollm2", "target_hash": "test", "tokenizer_hash": "test", "hidden_size": 64,
+                "num_layers": 4, "vocab_size": 49152, "aux_layer_ids": default_aux_layer_ids(4)}
+    return save_eagle3(head, folder, manifest_target=identity)
+
+
+def test_a_q8_0_export_reads_back_as_q8_0(llamacpp_gguf, tmp_path):
+    """One real conversion: `export format=gguf gguf_outtype=q8_0` of an EAGLE-3 head, read back by llama.cpp's own
+    gguf-py: the file type and every matrix Q8_0, the norms F32."""
+    gguf = llamacpp_gguf
+    head = smollm2_vocab_eagle3_folder(tmp_path / "head")
+    out = export(compose("export", [f"head={head}", "format=gguf", "gguf_outtype=q8_0", f"out={tmp_path / 'gguf'}"]))
+    reader = gguf.GGUFReader(out / "eagle3.gguf")
+    assert reader.fields[gguf.Keys.General.FILE_TYPE].contents() == gguf.LlamaFileType.MOSTLY_Q8_0
+    types = {t.name: (t.tensor_type.name, len(t.shape)) for t in reader.tensors}
+    matrices = {name for name, (_, dims) in types.items() if dims == 2}
+    assert {"fc.weight", "token_embd.weight", "output.weight", "blk.0.attn_q.weight"} <= matrices, types
+    assert {types[name][0] for name in matrices} == {"Q8_0"}, types
+    assert {kind for name, (kind, dims) in types.items() if name.endswith("norm.weight")} == {"F32"}, types
+
+
 # --------------------------------------------------------------------------- eval engine=llamacpp options
 
 @pytest.mark.parametrize("overrides, words", [
@@ -473,7 +622,7 @@ def test_report_reads_a_quantised_targets_agreement_as_a_reading_not_a_check():
                "runs": {"eagle3": {"tau": 1.52, "per_position_acceptance": [0.34, 0.12, 0.06], "agreement": agree,
                                    "greedy_identical_to_engine_target_only": 1.0, "speedup": 0.45}}}
     row = next(line for line in llamacpp_lines({"llamacpp": section}) if line.startswith("| eagle3 "))
-    assert "no (quantised target: not expected)" in row and "**no**" not in row
+    assert "no (quantised target or head: not expected)" in row and "**no**" not in row
     section["same_function_as_builtin"] = True  # the F32 conversion: a miss is a defect, in bold
     row = next(line for line in llamacpp_lines({"llamacpp": section}) if line.startswith("| eagle3 "))
     assert "**no** (0.02)" in row
