@@ -112,3 +112,12 @@ def read_dflash_folder(folder: Path):
     if full_vocab:
         tensors.setdefault("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
     return config, tensors
+
+
+def check_target_layers(head: DFlashHead, folder, target=None) -> DFlashHead:
+    """A block drafter's folder beside a target: the target layers it reads must be the ones the target computes."""
+    if target is not None and list(head.config.aux_layer_ids) != list(target.aux_layer_ids):
+        raise DraftsmithError(f"{Path(folder) / CONFIG} reads target layers {head.config.aux_layer_ids} "
+                              f"(HF hidden_states indices), but the target computes {list(target.aux_layer_ids)}: pass "
+                              f"target.aux_layer_ids={head.config.aux_layer_ids}.")
+    return head

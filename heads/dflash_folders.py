@@ -26,10 +26,10 @@ from typing import Optional
 import torch
 
 from draftsmith.core import DraftsmithError
-from draftsmith.heads.block_folders import (DFLASH_ARCHITECTURE, dflash_config_json, dflash_tensor_shapes,
-                                            layer_fields, read_dflash_folder)
+from draftsmith.heads.block_folders import (DFLASH_ARCHITECTURE, check_target_layers, dflash_config_json,
+                                            dflash_tensor_shapes, layer_fields, read_dflash_folder)
 from draftsmith.heads.dflash import DFlashHead
-from draftsmith.heads.folders import (CONFIG, SPECULATORS_VERSION, build_head, export_verifier, folder_hooks,
+from draftsmith.heads.folders import (SPECULATORS_VERSION, build_head, export_verifier, folder_hooks,
                                       folder_tensors, speculators_config, with_target_embeddings, write_head_folder)
 from draftsmith.core.layers import default_aux_layer_ids
 
@@ -122,12 +122,7 @@ load_checked, save = folder_hooks(load_dflash, save_dflash)
 
 def load(folder: Path, target=None) -> DFlashHead:
     """The method table's loader: beside a target, the folder's target layers must be the ones it computes."""
-    head = load_checked(folder, target)
-    if target is not None and list(head.config.aux_layer_ids) != list(target.aux_layer_ids):
-        raise DraftsmithError(f"{Path(folder) / CONFIG} reads target layers {head.config.aux_layer_ids} (HF hidden_states "
-                              f"indices), but the target computes {list(target.aux_layer_ids)}: pass "
-                              f"target.aux_layer_ids={head.config.aux_layer_ids}.")
-    return head
+    return check_target_layers(load_checked(folder, target), folder, target)
 
 
 def write_dflash(head: DFlashHead, folder: Path, manifest_target: Optional[dict], options) -> Path:

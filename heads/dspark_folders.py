@@ -27,7 +27,8 @@ import torch
 
 from draftsmith.core import DraftsmithError
 from draftsmith.core.layers import default_aux_layer_ids
-from draftsmith.heads.block_folders import dflash_config_from_json, dflash_config_json, dflash_tensor_shapes
+from draftsmith.heads.block_folders import (check_target_layers, dflash_config_from_json, dflash_config_json,
+                                            dflash_tensor_shapes)
 from draftsmith.heads.dspark import DSparkHead
 from draftsmith.heads.folders import (CONFIG, EMBED, WEIGHTS, build_head, folder_hooks, folder_tensors,
                                       read_checked_tensors, read_config_json, with_target_embeddings,
@@ -120,12 +121,7 @@ load_checked, save = folder_hooks(load_dspark, save_dspark)
 
 def load(folder: Path, target=None) -> DSparkHead:
     """The method table's loader: beside a target, the folder's target layers must be the ones it computes."""
-    head = load_checked(folder, target)
-    if target is not None and list(head.config.aux_layer_ids) != list(target.aux_layer_ids):
-        raise DraftsmithError(f"{Path(folder) / CONFIG} reads target layers {head.config.aux_layer_ids} (HF hidden_states "
-                              f"indices), but the target computes {list(target.aux_layer_ids)}: pass "
-                              f"target.aux_layer_ids={head.config.aux_layer_ids}.")
-    return head
+    return check_target_layers(load_checked(folder, target), folder, target)
 
 
 def write_dspark(head: DSparkHead, folder: Path, manifest_target: Optional[dict], options) -> Path:

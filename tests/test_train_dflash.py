@@ -15,7 +15,8 @@ from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.heads.dflash import DFlashHead, block_mask, dflash_config_from_target
 from draftsmith.heads.vocab import build_vocab_map
-from draftsmith.train.dflash import DFlashConfig, block_forward, dflash_loss, sample_anchors, summarize
+from draftsmith.train.block import sample_anchors
+from draftsmith.train.dflash import DFlashConfig, block_forward, dflash_loss, summarize
 
 BLOCK = 4
 

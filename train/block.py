@@ -4,12 +4,13 @@ positions a .. a+bs-1 over the context c_t of every real t < a)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from draftsmith.heads.block import DFlashHead
+from draftsmith.train.features import target_prepare
 
 
 def sample_anchors(valid: torch.Tensor, max_anchors: int,
@@ -81,3 +82,18 @@ def slot_stats(counted: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor, t
     return torch.stack([one_hot.T @ loss, one_hot.T @ in_loss.to(loss.dtype), one_hot.T @ correct.to(loss.dtype),
                         one_hot.T @ alpha.to(loss.dtype), one_hot.sum(0), one_hot.T @ (~in_loss).to(loss.dtype),
                         chain_correct, chain_alpha, run.sum((0, 1))], dim=1)
+
+
+def block_prepare(t2d: torch.Tensor, target, mode: str, autocast: Callable, max_anchors: int) -> Callable[[dict], dict]:
+    """`prepare(batch)` of a block drafter (DFlash, DSpark): the target side under no_grad (as EAGLE-3's), then the
+    anchors drawn with torch's CPU generator (restored on resume, so resume stays exact)."""
+    target_side = target_prepare(t2d, target, mode, autocast)
+
+    def prepare(batch: dict) -> dict:
+        batch = target_side(batch)
+        valid = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+        anchor, real = sample_anchors(valid, max_anchors)
+        device = batch["input_ids"].device
+        return {**batch, "anchor": anchor.to(device), "real": real.to(device)}
+
+    return prepare

@@ -47,8 +47,8 @@ from torch import nn
 
 from draftsmith.core import DraftsmithError, checks
 from draftsmith.heads.dflash import DFlashHead, block_mask, dflash_config_from_target
-from draftsmith.train.block import block_forward, counted_slots, sample_anchors, slot_stats
-from draftsmith.train.features import TargetSide, target_prepare, vocab_map_for
+from draftsmith.train.block import block_forward, block_prepare, counted_slots, slot_stats
+from draftsmith.train.features import TargetSide, vocab_map_for
 from draftsmith.train.stats import CHAIN_STATS, STEP_STATS, summarize_steps
 
 STATS = STEP_STATS + CHAIN_STATS
@@ -165,16 +165,7 @@ def dflash_training(head: DFlashHead, target, cfg: DFlashConfig, mode: str,
                     autocast: Callable) -> tuple[DFlashStep, Callable[[dict], dict]]:
     """(the module to train, `prepare(batch)`): prepare adds the target side under no_grad (as EAGLE-3's) and
     draws the anchors with torch's CPU generator (restored on resume, so resume stays exact)."""
-    target_side = target_prepare(head.t2d, target, mode, autocast)
-
-    def prepare(batch: dict) -> dict:
-        batch = target_side(batch)
-        valid = batch["loss_mask"].bool() & batch["attention_mask"].bool()
-        anchor, real = sample_anchors(valid, cfg.max_anchors)
-        device = batch["input_ids"].device
-        return {**batch, "anchor": anchor.to(device), "real": real.to(device)}
-
-    return DFlashStep(head, cfg), prepare
+    return DFlashStep(head, cfg), block_prepare(head.t2d, target, mode, autocast, cfg.max_anchors)
 
 
 # the method table's hooks (draftsmith.core.methods)

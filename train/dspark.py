@@ -46,8 +46,8 @@ from draftsmith.heads.block import block_mask
 from draftsmith.heads.block_folders import DFLASH_ARCHITECTURE, read_dflash_folder
 from draftsmith.heads.dspark import DEFAULT_MARKOV_RANK, DSparkHead, dspark_config_from_target
 from draftsmith.heads.folders import EMBED, read_config_json
-from draftsmith.train.block import block_forward, counted_slots, sample_anchors, slot_stats
-from draftsmith.train.features import TargetSide, target_prepare, vocab_map_for
+from draftsmith.train.block import block_forward, block_prepare, counted_slots, slot_stats
+from draftsmith.train.features import TargetSide, vocab_map_for
 from draftsmith.train.stats import CHAIN_STATS, STEP_STATS, summarize_steps
 
 # the confidence's sums per block position: its BCE, its mean, its absolute error against alpha (over metric_count)
@@ -231,16 +231,7 @@ def dspark_training(head: DSparkHead, target, cfg: DSparkConfig, mode: str,
                     autocast: Callable) -> tuple[DSparkStep, Callable[[dict], dict]]:
     """(the module to train, `prepare(batch)`): DFlash's prepare (the target side under no_grad, the anchors drawn
     with torch's CPU generator, restored on resume)."""
-    target_side = target_prepare(head.t2d, target, mode, autocast)
-
-    def prepare(batch: dict) -> dict:
-        batch = target_side(batch)
-        valid = batch["loss_mask"].bool() & batch["attention_mask"].bool()
-        anchor, real = sample_anchors(valid, cfg.max_anchors)
-        device = batch["input_ids"].device
-        return {**batch, "anchor": anchor.to(device), "real": real.to(device)}
-
-    return DSparkStep(head, cfg), prepare
+    return DSparkStep(head, cfg), block_prepare(head.t2d, target, mode, autocast, cfg.max_anchors)
 
 
 # the method table's hooks (draftsmith.core.methods)
