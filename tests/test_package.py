@@ -92,3 +92,17 @@ def test_built_wheel_works_without_the_source_tree(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "wheel ok" in out.stdout
+
+
+def test_every_config_group_folder_ships_as_a_package_with_its_files():
+    """A Hydra config group (a folder under configs/) is a package in pyproject with package data for each kind of
+    file it holds: otherwise setuptools warns 'Package would be ignored' on every install (issue 50)."""
+    import tomllib
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for group in sorted(p for p in CONFIGS.iterdir() if p.is_dir() and p.name != "__pycache__"):
+        name = f"draftsmith.configs.{group.name}"
+        assert name in setuptools["packages"], f"pyproject.toml: add {name!r} to [tool.setuptools] packages"
+        patterns = setuptools["package-data"].get(name, [])
+        for kind in sorted({f.suffix for f in group.iterdir() if f.is_file()}):
+            assert f"*{kind}" in patterns, f"pyproject.toml: package-data for {name} misses '*{kind}'"
