@@ -1,6 +1,7 @@
 """What the block drafters' folders share (heads/dflash_folders.py, heads/dspark_folders.py): the backbone's tensors
 and shapes, the Qwen3 layer fields and the DFlash config.json fields vLLM reads (the target layers always written
-explicitly: without them vLLM sizes fc as num_hidden_layers * H_t), and reading them back."""
+explicitly: without them vLLM sizes fc as num_hidden_layers * H_t), reading them back, and what both need of
+llama.cpp's converter for `export format=gguf` (GGUF_CONVERTER_ARCHITECTURE, check_gguf_vocab)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,11 @@ from draftsmith.heads.folders import (CONFIG, EMBED, WEIGHTS, layer_shapes, llam
 from draftsmith.heads.kit import DEFAULT_ROPE_THETA
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"  # vLLM's registry: qwen3_dflash.DFlashQwen3ForCausalLM
+
+# format=gguf of both block drafters: the architecture that sends a folder to llama.cpp's DSpark converter
+# (conversion/qwen.py DSparkModel), the one of its block converters that maps a reduced draft vocabulary: it writes
+# `d2t` as absolute target ids and reads draft_vocab_size. Its plain DFlash converter (DFlashModel) maps no d2t.
+GGUF_CONVERTER_ARCHITECTURE = "DSparkDraftModel"
 
 
 def dflash_tensor_shapes(config) -> dict[str, tuple[int, ...]]:
@@ -121,3 +127,15 @@ def check_target_layers(head: DFlashHead, folder, target=None) -> DFlashHead:
                               f"(HF hidden_states indices), but the target computes {list(target.aux_layer_ids)}: pass "
                               f"target.aux_layer_ids={head.config.aux_layer_ids}.")
     return head
+
+
+def check_gguf_vocab(config, method: str) -> None:
+    """format=gguf needs a reduced draft vocabulary: llama.cpp's DSpark converter drops the drafter's own lm_head
+    when draft_vocab_size equals the target's vocab (conversion/qwen.py DSparkModel.modify_tensors), and llama.cpp
+    then computes the logits with the drafter's embeddings or the target's output (src/models/dflash.cpp), not the
+    trained lm_head."""
+    if config.draft_vocab_size == config.vocab_size:
+        raise DraftsmithError(f"format=gguf: this {method} drafter drafts over the target's whole vocabulary "
+                              f"({config.vocab_size} tokens), and llama.cpp's DSpark converter then drops its trained "
+                              f"lm_head for the target's output; train it with method.draft_vocab_size below "
+                              f"{config.vocab_size}.")

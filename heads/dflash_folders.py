@@ -12,9 +12,27 @@
                         mask_token_id, sliding_window_non_causal true (vLLM turns false into causal attention
                         for EVERY layer), sample_from_anchor false, speculators_config; the same tensors
 
+    format=gguf         dflash.gguf for `llama-server -md ... --spec-type draft-dflash`, written by llama.cpp's own
+                        converter (heads/folders.py `gguf_writer`) from the folder `dflash_for_gguf` prepares
+
 The target layers are always written explicitly: without them vLLM sizes fc as num_hidden_layers * H_t.
-Both folders are written atomically (heads/folders.py `write_head_folder`); loading reads safetensors only and
+The folders are written atomically (heads/folders.py `write_head_folder`); loading reads safetensors only and
 checks every tensor's name, shape and dtype.
+
+The GGUF route. llama.cpp's plain DFlash converter (conversion/qwen.py DFlashModel) maps no d2t, and draftsmith's
+DFlash drafters draft over a reduced vocabulary. Its DSpark converter (DSparkModel, a DFlashModel) does: it writes
+d2t as absolute target ids. So the drafter goes to llama.cpp as a DSpark folder with no Markov head at all (no
+markov_head.* and no confidence_head.* tensors, `sample_from_anchor: false`), and the GGUF is exactly DFlash's:
+  - the converter writes the same arch (`dflash`), the same backbone tensors and keys, plus `d2t`,
+    `dflash.sample_from_anchor` false and `dflash.has_confidence_head` false;
+  - the runtime builds the Markov bias only when `markov_w1.weight` is in the file (src/models/dflash.cpp
+    load_arch_tensors and the graph's `if (model.dspark_markov_w1)`), scatters the draft logits to the target
+    vocabulary through `d2t` for DFlash and DSpark alike, and reads `sample_from_anchor` only for draft-dspark;
+  - `--spec-type draft-dflash` (common/speculative.cpp common_speculative_impl_draft_dflash, is_dspark false)
+    decodes [last token, mask x K] in one call and reads the mask rows 1..K greedily: draftsmith's DFlash layout
+    (the mask query at p+k drafts the token at p+k).
+tests/test_engine_llamacpp_block.py checks it in llama-server: lossless, and τ equal to the built-in decoder's.
+A drafter over the target's whole vocabulary is refused (block_folders.py `check_gguf_vocab`).
 """
 
 from __future__ import annotations
@@ -26,11 +44,13 @@ from typing import Optional
 import torch
 
 from draftsmith.core import DraftsmithError
-from draftsmith.heads.block_folders import (DFLASH_ARCHITECTURE, check_target_layers, dflash_config_json,
-                                            dflash_tensor_shapes, layer_fields, read_dflash_folder)
+from draftsmith.heads.block_folders import (DFLASH_ARCHITECTURE, GGUF_CONVERTER_ARCHITECTURE, check_gguf_vocab,
+                                            check_target_layers, dflash_config_json, dflash_tensor_shapes,
+                                            layer_fields, read_dflash_folder)
 from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.folders import (SPECULATORS_VERSION, build_head, export_verifier, folder_hooks,
-                                      folder_tensors, speculators_config, with_target_embeddings, write_head_folder)
+                                      folder_tensors, gguf_writer, speculators_config, with_target_embeddings,
+                                      write_head_folder)
 from draftsmith.core.layers import default_aux_layer_ids
 
 DFLASH_SPECULATORS_ARCHITECTURE = "DFlashSpeculator"
@@ -112,6 +132,21 @@ def save_speculators_dflash(head: DFlashHead, folder: str | os.PathLike, verifie
                              "speculators")
 
 
+# ---- format=gguf: llama.cpp, through its own converter ----------------------------------------------------------
+
+def dflash_for_gguf(head: DFlashHead, folder: Path, manifest_target: Optional[dict], options) -> Path:
+    """The folder llama.cpp's converter turns into DFlash's GGUF: the DFlash tensors and config under the DSpark
+    converter's architecture, with no Markov or confidence head and draftsmith's bonus-anchor layout stated
+    (the module docstring says why this is exactly DFlash in llama.cpp). The converter reads the target's
+    tokenizer (gguf_writer's needs_target)."""
+    check_gguf_vocab(head.config, "DFlash")
+    tensors = dflash_tensors(head, options.dtype, options.include_embeddings)
+    # written, though draft-dflash never reads it: the converter's default (true) would be another drafter's layout
+    config = {**dflash_config_json(head, options.dtype, GGUF_CONVERTER_ARCHITECTURE), "sample_from_anchor": False}
+    return write_head_folder(Path(folder), tensors, config, head.config.draft_vocab_size, manifest_target, "export",
+                             "gguf-source")
+
+
 # ---- the method table's hooks (draftsmith.core.methods) -------------------------------------------------------------
 
 # the target layers it reads (low, middle, high: EAGLE-3's, so data-gen's shards serve it), captured by data-gen and
@@ -150,11 +185,9 @@ def engine_warning(drafter, result: dict) -> Optional[str]:
             "that of a slightly different drafter and can differ from the built-in decoder's and from vLLM's on a GPU")
 
 
-# formats other methods have that this one cannot be written in: export says why in one sentence
-UNSERVED_FORMATS = {"gguf": "llama.cpp's DFlash converter (conversion/qwen.py DFlashModel) maps no draft "
-                            "vocabulary, and draftsmith's DFlash folders carry one (t2d, d2t); export format=dflash "
-                            "and serve it with vLLM"}
-FORMATS = {"dflash": write_dflash, "speculators": write_speculators}
+# gguf: for `llama-server -md dflash.gguf --spec-type draft-dflash`
+FORMATS = {"dflash": write_dflash, "speculators": write_speculators,
+           "gguf": gguf_writer(dflash_for_gguf, "dflash.gguf", needs_target=True)}
 
 
 def card(options: dict, formats: list[str], commands: dict) -> dict:

@@ -11,10 +11,21 @@
                    markov_head.markov_w2.weight (Vd, r), confidence_head.proj.weight (1, H + r),
                    confidence_head.proj.bias (1,)
 
+    format=gguf    dspark.gguf for `llama-server -md ... --spec-type draft-dspark`: this very folder, converted by
+                   llama.cpp's own DSpark converter (conversion/qwen.py DSparkModel, which registers
+                   DSparkDraftModel) through heads/folders.py `gguf_writer`. It writes d2t as absolute target ids,
+                   markov_w1 / markov_w2, conf_proj, `dflash.sample_from_anchor` false (from the config: its
+                   default is true) and `dflash.has_confidence_head` true. Its runtime (src/models/dflash.cpp
+                   build_dspark_markov_head) drafts as eval/proposers/dspark.py does: slot 1's bias from the bonus
+                   token, each later slot's from the argmax of the slot before, over the target vocabulary; the
+                   confidence is sigmoid(proj([norm(h_k); W1[prev_k]]) + b), and `--spec-draft-p-min` stops a draft
+                   where drafting.stop_below stops it. A drafter over the target's whole vocabulary is refused
+                   (block_folders.py `check_gguf_vocab`).
+
 Written atomically (heads/folders.py `write_head_folder`); loading reads safetensors only, checks every tensor's
 name, shape and dtype, and refuses in one sentence a folder that says another layout or head than the drafter
-computes. The engines' formats (GGUF through llama.cpp's converter, speculators' DSparkSpeculator, DeepSpec's
-Qwen3DSparkModel for vLLM) are not written yet: export says so (UNSERVED_FORMATS).
+computes. speculators' DSparkSpeculator and DeepSpec's Qwen3DSparkModel for vLLM are not written yet: export says
+so (UNSERVED_FORMATS).
 """
 
 from __future__ import annotations
@@ -27,14 +38,14 @@ import torch
 
 from draftsmith.core import DraftsmithError
 from draftsmith.core.layers import default_aux_layer_ids
-from draftsmith.heads.block_folders import (check_target_layers, dflash_config_from_json, dflash_config_json,
-                                            dflash_tensor_shapes)
+from draftsmith.heads.block_folders import (GGUF_CONVERTER_ARCHITECTURE, check_gguf_vocab, check_target_layers,
+                                            dflash_config_from_json, dflash_config_json, dflash_tensor_shapes)
 from draftsmith.heads.dspark import DSparkHead
 from draftsmith.heads.folders import (CONFIG, EMBED, WEIGHTS, build_head, folder_hooks, folder_tensors,
-                                      read_checked_tensors, read_config_json, with_target_embeddings,
+                                      gguf_writer, read_checked_tensors, read_config_json, with_target_embeddings,
                                       write_head_folder)
 
-DSPARK_ARCHITECTURE = "DSparkDraftModel"
+DSPARK_ARCHITECTURE = GGUF_CONVERTER_ARCHITECTURE  # "DSparkDraftModel": llama.cpp's DSpark converter reads the folder
 ARCHITECTURES = (DSPARK_ARCHITECTURE,)
 FOREIGN_ARCHITECTURES = {arch: f"{owner}'s DSpark format ({arch}), which draftsmith does not read yet; give the DSpark "
                                f"folder draftsmith train wrote"
@@ -129,8 +140,15 @@ def write_dspark(head: DSparkHead, folder: Path, manifest_target: Optional[dict]
                        include_embeddings=options.include_embeddings, stage="export")
 
 
-_LATER = ("draftsmith writes no engine format for DSpark yet (issue 47: GGUF through llama.cpp's converter, "
-          "speculators' DSparkSpeculator and a Qwen3DSparkModel folder come next); export format=dspark writes "
-          "draftsmith's own folder")
-UNSERVED_FORMATS = {"gguf": _LATER, "speculators": _LATER}
-FORMATS = {"dspark": write_dspark}
+def dspark_for_gguf(head: DSparkHead, folder: Path, manifest_target: Optional[dict], options) -> Path:
+    """The folder llama.cpp's DSpark converter reads: draftsmith's own (its architecture is one the converter
+    registers, and it states sample_from_anchor false), in the float32 gguf_writer asks for."""
+    check_gguf_vocab(head.config, "DSpark")
+    return save_dspark(head, folder, manifest_target=manifest_target, dtype=options.dtype,
+                       include_embeddings=options.include_embeddings, stage="export")
+
+
+UNSERVED_FORMATS = {"speculators": "draftsmith writes no speculators format for DSpark yet (speculators' "
+                                   "DSparkSpeculator comes next, issue 47); export format=gguf serves it in llama.cpp"}
+# gguf: for `llama-server -md dspark.gguf --spec-type draft-dspark`
+FORMATS = {"dspark": write_dspark, "gguf": gguf_writer(dspark_for_gguf, "dspark.gguf", needs_target=True)}

@@ -1,8 +1,9 @@
 """llama.cpp beside draftsmith, the fast part: its /metrics counters, the llama-server flags of the serving
 settings, the sentence that says it is not built, a llama-server that cannot start, `export format=gguf` (refused
-in one sentence for P-EAGLE and DFlash, and into a folder that is not its own), its `gguf_outtype` through export,
-eval and publish (the converter replaced, and one real q8_0 conversion read back) and eval's engine=llamacpp
-options.
+in one sentence for P-EAGLE, and into a folder that is not its own), its `gguf_outtype` through export,
+eval and publish (the converter replaced, and one real q8_0 conversion read back), the folder DFlash and DSpark
+hand llama.cpp's DSpark converter (its command line, config and tensors, the converter replaced; a full-vocab
+drafter refused) and eval's engine=llamacpp options.
 
 The tests that run llama.cpp's binary or converter skip with the sentence of `llamacpp_missing()` where it is not
 built (`bash scripts/setup.sh --engine`), and fail where DRAFTSMITH_REQUIRE_ENGINE=1. The slow half, every GGUF
@@ -374,16 +375,28 @@ def peagle_folder(target, folder: Path) -> Path:
     return save_peagle(head, folder, manifest_target=target.identity())
 
 
-def dflash_folder(target, folder: Path) -> Path:
+def dflash_folder(target, folder: Path, draft_vocab: int = DRAFT_VOCAB) -> Path:
     from draftsmith.heads.dflash import DFlashHead, dflash_config_from_target
     from draftsmith.heads.dflash_folders import save_dflash
     from draftsmith.heads.vocab import build_vocab_map
 
     torch.manual_seed(0)
-    head = DFlashHead(dflash_config_from_target(target.model.config, DRAFT_VOCAB, 1, 4, target.vocab_size - 1,
+    head = DFlashHead(dflash_config_from_target(target.model.config, draft_vocab, 1, 4, target.vocab_size - 1,
                                                 target.aux_layer_ids))
-    head.init_from_target(target.model, *build_vocab_map(torch.randint(0, 1000, (target.vocab_size,)), DRAFT_VOCAB))
+    head.init_from_target(target.model, *build_vocab_map(torch.randint(0, 1000, (target.vocab_size,)), draft_vocab))
     return save_dflash(head, folder, manifest_target=target.identity())
+
+
+def dspark_folder(target, folder: Path, draft_vocab: int = DRAFT_VOCAB) -> Path:
+    from draftsmith.heads.dspark import DSparkHead, dspark_config_from_target
+    from draftsmith.heads.dspark_folders import save_dspark
+    from draftsmith.heads.vocab import build_vocab_map
+
+    torch.manual_seed(0)
+    head = DSparkHead(dspark_config_from_target(target.model.config, draft_vocab, 1, 4, target.vocab_size - 1,
+                                                target.aux_layer_ids, 8))
+    head.init_from_target(target.model, *build_vocab_map(torch.randint(0, 1000, (target.vocab_size,)), draft_vocab))
+    return save_dspark(head, folder, manifest_target=target.identity())
 
 
 def eagle3_folder(target, folder: Path) -> Path:
@@ -402,7 +415,7 @@ def draft_folder(target, folder: Path) -> Path:
     return save_draft(draft_from_target(target, [0, 1], None, False), folder, target.identity())
 
 
-@pytest.mark.parametrize("method, make", [("peagle", peagle_folder), ("dflash", dflash_folder)])
+@pytest.mark.parametrize("method, make", [("peagle", peagle_folder)])
 def test_gguf_export_of_a_head_llama_cpp_cannot_load_is_refused_in_one_sentence(method, make, tiny_target, tmp_path,
                                                                                 monkeypatch, capsys):
     monkeypatch.setenv(llamacpp.HOME_ENV, str(tmp_path / "no-build"))  # the method's reason, built or not
@@ -455,7 +468,9 @@ def fake_converter(tmp_path: Path, monkeypatch) -> list[dict]:
     def run(command, **kwargs):
         with safe_open(Path(command[2]) / "model.safetensors", "pt") as f:
             dtypes = {f.get_slice(name).get_dtype() for name in f.keys()}
-        calls.append({"command": command, "dtypes": dtypes})
+            names = set(f.keys())
+        calls.append({"command": command, "dtypes": dtypes, "tensors": names,
+                      "config": json.loads((Path(command[2]) / "config.json").read_text())})
         Path(value_after(command, "--outfile")).write_bytes(b"GGUF")
         return subprocess.CompletedProcess(command, 0, "", "")
 
@@ -545,6 +560,70 @@ def test_publish_writes_the_gguf_at_its_outtype_and_its_card_serves_that_file(ti
     card = (tmp_path / "hub" / "README.md").read_text()
     assert "with this repo's `gguf/draft.gguf` (q8_0 weights" in card and " -md gguf/draft.gguf " in card, card
     assert "<head>.gguf" not in card and "- `gguf/`: the gguf format (llama.cpp's `-md` file, q8_0 weights)" in card
+
+
+# --------------------------------------------------------------------------- DFlash and DSpark: llama.cpp's DSpark converter
+
+MARKOV_TENSORS = {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
+                  "confidence_head.proj.bias"}
+
+
+@pytest.mark.parametrize("method, make", [("dflash", dflash_folder), ("dspark", dspark_folder)])
+def test_block_gguf_export_hands_llama_cpps_dspark_converter_its_folder_and_the_target(method, make, tiny_target,
+                                                                                        tmp_path, monkeypatch):
+    """The converter's command line (the temporary folder, the out file's temporary name, gguf_outtype, the target's
+    folder for its tokenizer) and what it is handed: DSparkDraftModel (the converter that maps d2t), the bonus-anchor
+    layout stated, the drafter's target layers and block, float32 tensors with d2t; DFlash without any Markov or
+    confidence tensor (then exactly DFlash in llama.cpp: heads/dflash_folders.py), DSpark with them."""
+    calls = fake_converter(tmp_path, monkeypatch)
+    head = make(tiny_target, tmp_path / "trained")
+    target_dir = tmp_path / "target"
+    target_dir.mkdir()
+    (target_dir / "config.json").write_text("{}")
+    out = export(compose("export", [f"head={head}", "format=gguf", "gguf_outtype=f16", f"target_dir={target_dir}",
+                                    f"out={tmp_path / 'out'}"]))
+    (call,) = calls
+    argv = call["command"]
+    assert argv[0] == sys.executable and argv[1] == str(llamacpp.converter()) and Path(argv[2]).name == "hf"
+    outfile = Path(value_after(argv, "--outfile"))  # a temporary name in the folder's temporary twin, both renamed
+    assert outfile.name == f".{method}.gguf.tmp" and outfile.parent.name.startswith(f".{out.name}.")
+    assert value_after(argv, "--outtype") == "f16" and value_after(argv, "--target-model-dir") == str(target_dir)
+    config = call["config"]
+    assert config["architectures"] == ["DSparkDraftModel"] and config["sample_from_anchor"] is False
+    assert config["dflash_config"]["target_layer_ids"] == [i - 1 for i in tiny_target.aux_layer_ids]
+    assert config["block_size"] == 4 and config["draft_vocab_size"] == DRAFT_VOCAB
+    assert config["dflash_config"]["mask_token_id"] == tiny_target.vocab_size - 1
+    assert call["dtypes"] == {"F32", "I64", "BOOL"} and {"d2t", "fc.weight", "lm_head.weight"} <= call["tensors"]
+    assert (MARKOV_TENSORS <= call["tensors"]) is (method == "dspark")
+    assert not MARKOV_TENSORS & call["tensors"] or method == "dspark"
+    assert json.loads((out / "manifest.json").read_text())["gguf"] == f"{method}.gguf"
+    assert (out / f"{method}.gguf").read_bytes() == b"GGUF"
+
+
+@pytest.mark.parametrize("method, make", [("dflash", dflash_folder), ("dspark", dspark_folder)])
+def test_a_full_vocab_block_drafter_is_refused_gguf_in_one_sentence(method, make, tiny_target, tmp_path, monkeypatch):
+    """llama.cpp's DSpark converter drops a full-vocab drafter's own lm_head (the target's output computes its
+    logits then): refused before the converter runs, naming the option that trains one it serves."""
+    calls = fake_converter(tmp_path, monkeypatch)
+    head = make(tiny_target, tmp_path / "trained", draft_vocab=tiny_target.vocab_size)
+    out = tmp_path / "out"
+    with pytest.raises(DraftsmithError) as e:
+        export(compose("export", [f"head={head}", "format=gguf", f"target_dir={head}", f"out={out}"]))
+    name = {"dflash": "DFlash", "dspark": "DSpark"}[method]
+    assert str(e.value) == (f"format=gguf: this {name} drafter drafts over the target's whole vocabulary "
+                            f"({tiny_target.vocab_size} tokens), and llama.cpp's DSpark converter then drops its "
+                            f"trained lm_head for the target's output; train it with method.draft_vocab_size below "
+                            f"{tiny_target.vocab_size}.")
+    assert calls == [] and not out.exists()
+
+
+def test_dspark_speculators_export_is_refused_in_one_sentence(tiny_target, tmp_path):
+    head = dspark_folder(tiny_target, tmp_path / "trained")
+    with pytest.raises(DraftsmithError) as e:
+        export(compose("export", [f"head={head}", "format=speculators", f"out={tmp_path / 'out'}"]))
+    msg = str(e.value)
+    assert msg.startswith("format=speculators cannot be written for dspark heads: ") and "\n" not in msg, msg
+    assert "format=gguf" in msg and msg.endswith(".") and not (tmp_path / "out").exists()
 
 
 def smollm2_vocab_eagle3_folder(folder: Path) -> Path:
