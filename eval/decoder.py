@@ -101,6 +101,7 @@ class GenerationResult:
     decode_s: float
     emitted_per_verification: list[int] = field(default_factory=list)  # of `tokens` (cut at EOS / the cap)
     draft_s: float = 0.0  # of decode_s: seconds in the proposer (propose + update), the cost model's drafting time
+    verify_s: float = 0.0  # of decode_s: seconds in `verify` (the target pass, the acceptance walk, the cache commit)
     draft_sizes: list[int] = field(default_factory=list)  # draft nodes sent to each verification (the root excluded)
     prompt_ids: list[int] = field(default_factory=list)  # the prompt this result continues (eval's divergence check)
 
@@ -258,13 +259,15 @@ def speculative_generate(target_runner, proposer: Optional[Proposer], prompt_ids
         proposer.update([first], aux)
     t1 = time.perf_counter()
 
-    n_ver, per_ver, sizes, draft_s = 0, [], [], 0.0
+    n_ver, per_ver, sizes, draft_s, verify_s = 0, [], [], 0.0, 0.0
     while out[-1] not in eos and len(out) < max_new_tokens:
         room = min(max_new_tokens - len(out) - 1, runner.max_len - runner.length - 1)
         td = time.perf_counter()
         draft = _propose(proposer, drafting, sampling, generator, room)
         draft_s += time.perf_counter() - td
+        tv = time.perf_counter()
         emitted, path, aux = verify(runner, out[-1], draft, sampling, generator, want_aux)
+        verify_s += time.perf_counter() - tv
         n_ver += 1
         per_ver.append(len(emitted))
         sizes.append(len(draft.tokens))
@@ -287,7 +290,7 @@ def speculative_generate(target_runner, proposer: Optional[Proposer], prompt_ids
         per_ver[-1] -= 1 + sum(per_ver) - len(out)
     return GenerationResult(tokens=out, n_verifications=n_ver, accepted_per_position=accepted,
                             proposed_per_position=proposed, prefill_s=t1 - t0, decode_s=t2 - t1,
-                            emitted_per_verification=per_ver, draft_s=draft_s, draft_sizes=sizes,
+                            emitted_per_verification=per_ver, draft_s=draft_s, verify_s=verify_s, draft_sizes=sizes,
                             prompt_ids=prompt.tolist())
 
 

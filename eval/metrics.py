@@ -81,6 +81,11 @@ class Sample:
     # greedy, not identical: where the two first differ and the target's top-2 logit margin there (target_runner.divergence)
     divergence: Optional[dict] = None
     draft_seconds: float = 0.0  # median over repeats of the seconds spent in the proposer (the cost model's t_draft)
+    # medians over repeats, of `seconds`: the prefill (the prompt pass, the drafter's too), then every step after it,
+    # and of those the target's verifications (eval/cost.py's in-decode timings); 0 where not measured (engines)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    verify_seconds: float = 0.0
     draft_sizes: list[int] = field(default_factory=list)  # draft nodes per verification (first run)
     tokens: list[int] = field(default_factory=list)  # what was emitted (first run): engine=vllm compares outputs
     prompt_ids: list[int] = field(default_factory=list)  # the prompt it answered: engine=vllm decodes the same ids

@@ -165,6 +165,9 @@ def to_sample(category: str, runs: list[GenerationResult]) -> metrics.Sample:
         accepted=list(r.accepted_per_position), proposed=list(r.proposed_per_position),
         emitted_per_verification=list(r.emitted_per_verification),
         draft_seconds=metrics.median([x.draft_s for x in runs]), draft_sizes=list(r.draft_sizes),
+        prefill_seconds=metrics.median([x.prefill_s for x in runs]),
+        decode_seconds=metrics.median([x.decode_s for x in runs]),
+        verify_seconds=metrics.median([x.verify_s for x in runs]),
         tokens=list(r.tokens), prompt_ids=list(r.prompt_ids))
 
 
@@ -366,10 +369,14 @@ def cost_report(setup: Setup, drafter: Drafter, samples: dict[str, list[metrics.
                   + metrics.median([s.new_tokens for s in base]) / 2)
     measured = cost.measure_target(setup.runner, context, sizes, cfg.cost_repeats, tree_sizes)
     one_forward = bool(getattr(drafter.make(), "one_forward", False))  # its cost per cycle, whatever K
-    table = cost.cost_table(measured, acceptance, rows, mode=d.mode, max_k=max(runs), one_forward=one_forward)
+    clock = cost.decode_clock(base, runs)  # the decode's own seconds: what the prediction is made of (eval/cost.py)
+    table = cost.cost_table(measured, acceptance, rows, mode=d.mode, max_k=max(runs), one_forward=one_forward,
+                            clock=clock)
     best = cost.best_measured(table)
     out["cost_model"] = {"target": measured, "acceptance_per_position": acceptance, "acceptance_from_k": longest["k"],
-                         "table": table, "formula": "speedup(K) = tau(K) * t_step / (t_verify(K+1) + t_draft(K))"}
+                         "decode_clock": clock, "table": table,
+                         "formula": "speedup(K) = (P_target + N t_step) / (P_spec + N / tau(K) * (t_verify(K+1) + "
+                                    "t_draft(K))), t_step and t_verify from the decode's own clock"}
     # what the target's dtype costs here, measured (not assumed): one verification of K+1 tokens, in decode steps
     k = d.num_speculative_tokens
     verify = measured["verify_s"].get(str(k + 1))

@@ -198,3 +198,50 @@ def test_static_runner_path_matches_and_stays_lossless(tiny_target):
     for proposer in (None, NgramProposer(3, 1)):
         got = speculative_generate(static, proposer, ids, 24, greedy, chain, eos_token_ids=[]).tokens
         assert got == want
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_the_decodes_own_clock_holds_where_timed_passes_do_not(monkeypatch, k):
+    """Issue 47: on the 2-core Zen 4 an isolated 1-token pass timed 63.5 ms while the decode ran 45 ms a token, and
+    the prediction (1.72x) missed the measurement (1.08x). Here the isolated 1-token pass runs 1.4x slower than the
+    same pass inside the decode (the longer ones as in it), and the prompt pass costs time (the measured speedup is
+    end to end): the prediction on the timed passes misses by more than 25 %, the one on the decode's own clock
+    lands within 2 %."""
+    from draftsmith.eval.run import to_sample
+
+    clock = Clock()
+    monkeypatch.setattr(decoder, "time", types.SimpleNamespace(perf_counter=clock.now))
+
+    class PrefillCosts(FakeRunner):
+        def forward(self, tokens, positions, start, attn_mask=None, logits_rows="all", want_aux=False):
+            if start == 0:
+                self.clock.t += 0.2  # the prompt pass
+            return super().forward(tokens, positions, start, attn_mask, logits_rows, want_aux)
+
+    runner = PrefillCosts(clock)
+    proposer = FakeProposer(clock, pattern=[0, 1, 3, 5, 2, 4], t_tok=0.004)
+    prompt = torch.arange(10)
+    greedy, drafting = SamplingConfig(), DraftingConfig("chain", k)
+    base = to_sample("x", [speculative_generate(runner, None, prompt, 120, greedy, drafting, eos_token_ids=[])])
+    spec = to_sample("x", [speculative_generate(runner, proposer, prompt, 120, greedy, drafting, eos_token_ids=[])])
+    measured = (spec.new_tokens / spec.seconds) / (base.new_tokens / base.seconds)
+
+    class SlowOneTokenPass(FakeRunner):  # the isolated 1-token pass runs 1.4x the decode's; the others as in it
+        def cost(self, n: int) -> float:
+            return super().cost(n) * (1.4 if n == 1 else 1.0)
+
+    isolated = SlowOneTokenPass(clock)
+    target = cost.measure_target(isolated, 100, range(1, k + 3), repeats=3, clock=clock.now)
+    acceptance = [a / p for a, p in zip(spec.accepted, spec.proposed)]
+    run = {"k": k, "tau": spec.emitted_tokens / spec.verifications, "speedup": measured, "mean_draft_size": k,
+           "draft_s_per_verification": spec.draft_seconds / spec.verifications}
+    clock_ = cost.decode_clock([base], {k: [spec]})
+    assert clock_["step_s"] == pytest.approx(0.03) and clock_["by_k"][k]["verify_s"] == pytest.approx(runner.cost(k + 1), rel=0.01)
+    row = next(r for r in cost.cost_table(target, acceptance, [run], clock=clock_) if r["k"] == k)
+    assert row["predicted_speedup"] == pytest.approx(measured, rel=0.02)
+    assert abs(row["predicted_speedup_timed_passes"] / measured - 1) > 0.25
+    assert row["timed_step_s"] == pytest.approx(0.042) and row["t_step_s"] == pytest.approx(0.03)
+    # a K not decoded: the timed pass scaled by the decode/timed ratio of the nearest decoded K
+    longer = acceptance + [0.1]  # an acceptance for K + 1 (a longer run's)
+    other = next(r for r in cost.cost_table(target, longer, [run], max_k=k + 1, clock=clock_) if r["k"] == k + 1)
+    assert other["t_verify_s"] == pytest.approx(runner.cost(k + 2), rel=0.01) and other["measured_speedup"] is None
