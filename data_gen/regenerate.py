@@ -464,7 +464,7 @@ def regenerate_all(samples: list[dict], backend, seed: int, bar=None, errors: di
         convs = [history[i] + segments[i][turn] for i in live]
         seeds = [hash_seed(seed, samples[i]["id"], turn) for i in live]
         last = [turn == len(segments[i]) - 1 for i in live]
-        done = None if bar is None else (lambda j: bar.update(1) if last[j] else None)
+        done = None if bar is None else (lambda j, last=last: bar.update(1) if last[j] else None)  # this turn's `last`
         answers = backend.chat(convs, seeds) if done is None else backend.chat(convs, seeds, done=done)
         for j, (i, conv, text) in enumerate(zip(live, convs, answers)):
             ok = isinstance(text, str)
