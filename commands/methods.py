@@ -77,6 +77,21 @@ def _dspark_training():
     return dspark
 
 
+def _mtp_folders():
+    from draftsmith.heads import mtp_folders
+    return mtp_folders
+
+
+def _mtp_proposers():
+    from draftsmith.eval.proposers import mtp
+    return mtp
+
+
+def _mtp_training():
+    from draftsmith.train import mtp
+    return mtp
+
+
 def _draft_folders():
     from draftsmith.heads import draft_folders
     return draft_folders
@@ -106,6 +121,10 @@ ROWS = (
     # (format=dspark); the engines' formats come later (issue 47: GGUF for llama.cpp's draft-dspark, speculators'
     # DSparkSpeculator), so no engine serves it from here yet: vLLM 0.32 serves DSpark only on its V2 runner (GPU)
     Method("dspark", folders=_dspark_folders, proposers=_dspark_proposers, training_module=_dspark_training),
+    # MTP: the target's own multi-token-prediction layer (a MiMo folder's, or one grafted on), fine-tuned and stitched
+    # back into a copy of the target (export format=mimo); vLLM serves that folder as the model with method mtp
+    Method("mtp", folders=_mtp_folders, proposers=_mtp_proposers, training_module=_mtp_training,
+           engines=Engines(vllm="mtp")),
     # the catch-all (ARCHITECTURES = ()): any HF causal-LM folder is evaluated as a draft model
     Method("draft", folders=_draft_folders, proposers=_draft_proposers, training_module=_draft_training,
            engines=Engines(vllm="draft_model", sglang="STANDALONE", llamacpp="draft-simple")),
