@@ -53,10 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, (out_features, in_features) in SHAPES.items():
         w = torch.randn(out_features, in_features)
         wt = w.t().contiguous()
-        ways = {"linear": lambda x: torch.nn.functional.linear(x, w), "x@Wt": lambda x: x @ wt,
-                "(W@x.T).T": lambda x: (w @ x.t()).t()}
+        # w and wt bound per shape (default arguments), not read from the loop when called
+        ways = {"linear": lambda x, w=w: torch.nn.functional.linear(x, w), "x@Wt": lambda x, wt=wt: x @ wt,
+                "(W@x.T).T": lambda x, w=w: (w @ x.t()).t()}
         for way, fn in ways.items():
-            us = [1e6 * seconds(lambda: fn(x), args.repeats) for x in (torch.randn(m, in_features) for m in args.rows)]
+            us = [1e6 * seconds(lambda fn=fn, x=x: fn(x), args.repeats)
+                  for x in (torch.randn(m, in_features) for m in args.rows)]
             result["us"][f"{name} {way}"] = us
             print(f"{name:<20} {way:<10} " + "  ".join(f"M={m}:{u:7.0f}us" for m, u in zip(args.rows, us)), flush=True)
     result["prefill_last_logits_ms"] = {}
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         for b in args.prefill_rows:
             h = torch.randn(b, 40, 576, dtype=dtype)
             for way, x in (("slice", h[:, -1:, :]), ("gathered", h[:, torch.tensor([39]), :])):
-                ms = 1e3 * seconds(lambda: torch.nn.functional.linear(x, w_dtype), 2, warmup=1)
+                ms = 1e3 * seconds(lambda x=x, w_dtype=w_dtype: torch.nn.functional.linear(x, w_dtype), 2, warmup=1)
                 result["prefill_last_logits_ms"][f"{str(dtype)[6:]} B={b} {way}"] = ms
                 print(f"lm_head on the last of {b:>2} prefills, {str(dtype)[6:]:<8} {way:<9} {ms:9.1f} ms", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -80,11 +80,13 @@ def bench_dtype(dtype: str, args) -> dict:
                                                        return_tensors="pt", return_dict=True)["input_ids"][0]
             # EOS ignored: every method produces exactly n tokens
             fns = {
-                "ours": timed_call(lambda: speculative_generate(runner, None, ids, n, greedy, chain, eos_token_ids=[])),
-                "hf": timed_call(lambda: _hf_generate(target, ids, n)),
+                # each lambda binds this prompt's ids (a default argument), not the loop's variable
+                "ours": timed_call(lambda ids=ids: speculative_generate(runner, None, ids, n, greedy, chain,
+                                                                        eos_token_ids=[])),
+                "hf": timed_call(lambda ids=ids: _hf_generate(target, ids, n)),
             }
             if args.ngram:
-                fns["ngram"] = timed_call(lambda: speculative_generate(runner, ngram, ids, n, greedy, chain,
+                fns["ngram"] = timed_call(lambda ids=ids: speculative_generate(runner, ngram, ids, n, greedy, chain,
                                                                        eos_token_ids=[]))
             for fn in fns.values():  # warm-up
                 fn()

@@ -17,7 +17,6 @@ that does not finish within --timeout-s is reported as such. Run it on an idle m
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys

@@ -33,6 +33,7 @@ processes on these cores make torch's threads spin and the budgets stop being eq
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -304,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     trainers = [("draftsmith", []), *[(v.split(":", 1)[0], v.split(":", 1)[1].split(",")) for v in args.variant]]
     for name, extra in trainers:
         key = [f"budget_s={args.budget_s}", *extra]
-        runs[name] = done_or_run(args.out / name, key, lambda: train_draftsmith(args, name, extra))
+        runs[name] = done_or_run(args.out / name, key, functools.partial(train_draftsmith, args, name, extra))
     for peer in args.peers:
         is_missing, train_peer = PEERS[peer]
         missing = is_missing()
@@ -312,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
             runs[peer] = {"missing": missing}
             continue
         try:
-            runs[peer] = done_or_run(args.out / peer, [f"budget_s={args.budget_s}"], lambda: train_peer(args))
+            runs[peer] = done_or_run(args.out / peer, [f"budget_s={args.budget_s}"],
+                                     functools.partial(train_peer, args))
         except subprocess.CalledProcessError as e:  # said in the table, and the other heads are still evaluated
             print(f"[{peer}] FAILED: {e}", flush=True)
             runs[peer] = {"missing": f"peer run failed ({e})"}
@@ -321,17 +323,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.equal_samples and abs(theirs - ours) > 0.1 * ours:  # within 10 %: the budget reading is that one
             name = f"draftsmith@{peer}_samples"
             runs[name] = done_or_run(args.out / name, [f"samples={theirs}"],
-                                     lambda: train_draftsmith(args, name, [], steps=theirs // args.micro_batch_size))
+                                     functools.partial(train_draftsmith, args, name, [],
+                                                       steps=theirs // args.micro_batch_size))
             name = f"{peer}@draftsmith_samples"
             runs[name] = done_or_run(args.out / name, [f"samples={ours}"],
-                                     lambda: train_peer(args, name, samples=ours))
+                                     functools.partial(train_peer, args, name, samples=ours))
     for name, run in runs.items():
         if "head" in run:
             # vLLM (the figure that counts) for the two heads of the goal, draftsmith's and the peer's at the same
             # budget (vLLM reads the peer's speculators folder, EAGLE-3.1 norms included); built-in for the rest
             engine = args.engine if name in ("draftsmith", *args.peers) else "builtin"
             run["tau"] = done_or_run(args.out / name / "eval", [engine, *map(str, args.ks)],
-                                     lambda: evaluate(args, name, run["head"], engine))
+                                     functools.partial(evaluate, args, name, run["head"], engine))
     result = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "runs": runs,
               "seconds": round(time.perf_counter() - t0, 1), "machine": machine_info()}
     atomic_write_json(args.out / "bench_vs_peers.json", result)
