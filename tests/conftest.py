@@ -220,6 +220,9 @@ ENGINE_HEADS = {
     # block_size = K + 1 of test_engine_vllm_dflash.py
     "dflash": ["method=dflash", "epochs=16", "method.num_layers=2", "method.block_size=4",
                "method.draft_vocab_size=8192"],
+    # DFlash's shape plus the Markov and confidence heads (test_engine_llamacpp_block.py)
+    "dspark": ["method=dspark", "epochs=16", "method.num_layers=2", "method.block_size=4",
+               "method.draft_vocab_size=8192"],
     # EAGLE-3.1: all three norms on (test_engine_vllm_eagle31.py)
     "eagle3_31": ["method=eagle3", "epochs=8", "method.ttt_steps=3", "method.draft_vocab_size=8192",
                   "method.norm_before_fc=true", "method.fc_norm=true", "method.norm_output=true"],
