@@ -24,8 +24,16 @@
 
 Written atomically (heads/folders.py `write_head_folder`); loading reads safetensors only, checks every tensor's
 name, shape and dtype, and refuses in one sentence a folder that says another layout or head than the drafter
-computes. speculators' DSparkSpeculator and DeepSpec's Qwen3DSparkModel for vLLM are not written yet: export says
-so (UNSERVED_FORMATS).
+computes.
+
+    format=speculators  speculators 0.9's DSparkSpeculator (`speculators_model_type: "dspark"`): speculators' DFlash
+                   config (heads/dflash_folders.py: transformer_layer_config, block_size, aux_hidden_state_layer_ids,
+                   mask_token_id, sample_from_anchor false, ...) plus markov_rank and the head fields above; the
+                   tensors of format=dspark under the same names (speculators' DSparkDraftModel holds
+                   markov_head.markov_w1 / markov_w2 and confidence_head.proj, fed [norm(h_k); W1[prev_k]] as ours).
+                   Written, not read back (FOREIGN_ARCHITECTURES: give the DSpark folder it was exported from).
+
+DeepSpec's Qwen3DSparkModel folder for vLLM is not written yet.
 """
 
 from __future__ import annotations
@@ -41,15 +49,18 @@ from draftsmith.core.layers import default_aux_layer_ids
 from draftsmith.heads.block_folders import (GGUF_CONVERTER_ARCHITECTURE, check_gguf_vocab, check_target_layers,
                                             dflash_config_from_json, dflash_config_json, dflash_tensor_shapes)
 from draftsmith.heads.dspark import DSparkHead
-from draftsmith.heads.folders import (CONFIG, EMBED, WEIGHTS, build_head, folder_hooks, folder_tensors,
-                                      gguf_writer, read_checked_tensors, read_config_json, with_target_embeddings,
-                                      write_head_folder)
+from draftsmith.heads.dflash_folders import speculators_dflash_config_json
+from draftsmith.heads.folders import (CONFIG, EMBED, WEIGHTS, build_head, export_verifier, folder_hooks,
+                                      folder_tensors, gguf_writer, read_checked_tensors, read_config_json,
+                                      speculators_config, with_target_embeddings, write_head_folder)
 
 DSPARK_ARCHITECTURE = GGUF_CONVERTER_ARCHITECTURE  # "DSparkDraftModel": llama.cpp's DSpark converter reads the folder
 ARCHITECTURES = (DSPARK_ARCHITECTURE,)
-FOREIGN_ARCHITECTURES = {arch: f"{owner}'s DSpark format ({arch}), which draftsmith does not read yet; give the DSpark "
-                               f"folder draftsmith train wrote"
-                         for arch, owner in (("Qwen3DSparkModel", "DeepSpec"), ("DSparkSpeculator", "speculators"))}
+DSPARK_SPECULATORS_ARCHITECTURE = "DSparkSpeculator"
+FOREIGN_ARCHITECTURES = {"Qwen3DSparkModel": "DeepSpec's DSpark format (Qwen3DSparkModel), which draftsmith does not read "
+                                             "yet; give the DSpark folder draftsmith train wrote",
+                         DSPARK_SPECULATORS_ARCHITECTURE: "the speculators format (vLLM loads it); give the DSpark "
+                                                          "folder it was exported from"}
 # what draftsmith's drafter computes, which its folder states and loading requires
 HEAD_FIELDS = {"markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True,
                "sample_from_anchor": False}
@@ -148,7 +159,39 @@ def dspark_for_gguf(head: DSparkHead, folder: Path, manifest_target: Optional[di
                        include_embeddings=options.include_embeddings, stage="export")
 
 
-UNSERVED_FORMATS = {"speculators": "draftsmith writes no speculators format for DSpark yet (speculators' "
-                                   "DSparkSpeculator comes next, issue 47); export format=gguf serves it in llama.cpp"}
+# ---- format=speculators: speculators' DSparkSpeculator ------------------------------------------------------
+
+def speculators_dspark_config_json(head: DSparkHead, verifier: Optional[str], num_speculative_tokens: int,
+                                   dtype: torch.dtype) -> dict:
+    """speculators' DFlash config under DSpark's names, plus the Markov rank and the head fields draftsmith's drafter
+    computes (its DSparkSpeculatorConfig defaults sample_from_anchor to true: written false)."""
+    config = speculators_dflash_config_json(head, verifier, num_speculative_tokens, dtype)
+    return {**config, "architectures": [DSPARK_SPECULATORS_ARCHITECTURE], "speculators_model_type": "dspark",
+            "markov_rank": head.markov_rank, **HEAD_FIELDS,
+            "speculators_config": speculators_config("dspark", verifier, num_speculative_tokens)}
+
+
+def save_speculators_dspark(head: DSparkHead, folder: str | os.PathLike, verifier: Optional[str] = None,
+                            num_speculative_tokens: Optional[int] = None, manifest_target: dict | None = None,
+                            dtype: Optional[torch.dtype] = None, include_embeddings: bool = True) -> Path:
+    """Write the drafter in speculators' DSpark format (atomically); K defaults to block_size - 1."""
+    k = head.block_size - 1 if num_speculative_tokens is None else int(num_speculative_tokens)
+    if k < 1:
+        raise DraftsmithError(f"export num_speculative_tokens={k} must be at least 1.")
+    dtype = dtype or head.fc.weight.dtype
+    tensors = dspark_tensors(head, dtype, include_embeddings)
+    config = speculators_dspark_config_json(head, verifier, k, dtype)
+    return write_head_folder(Path(folder), tensors, config, head.config.draft_vocab_size, manifest_target, "export",
+                             "speculators")
+
+
+def write_speculators(head: DSparkHead, folder: Path, manifest_target: Optional[dict], options) -> Path:
+    return save_speculators_dspark(head, folder, verifier=export_verifier(options, manifest_target),
+                                   num_speculative_tokens=options.num_speculative_tokens,
+                                   manifest_target=manifest_target, dtype=options.dtype,
+                                   include_embeddings=options.include_embeddings)
+
+
 # gguf: for `llama-server -md dspark.gguf --spec-type draft-dspark`
-FORMATS = {"dspark": write_dspark, "gguf": gguf_writer(dspark_for_gguf, "dspark.gguf", needs_target=True)}
+FORMATS = {"dspark": write_dspark, "speculators": write_speculators,
+           "gguf": gguf_writer(dspark_for_gguf, "dspark.gguf", needs_target=True)}

@@ -234,7 +234,7 @@ def test_folder_round_trip_and_refusals(tiny_target, tmp_path):
     assert config["mask_token_id"] == head.mask_token_id == config["dflash_config"]["mask_token_id"]
     assert config["target_layer_ids"] == [i - 1 for i in tiny_target.aux_layer_ids] and config["block_size"] == BLOCK
     entry = method_for_folder(folder)
-    assert entry.name == "dspark" and methods()["dspark"].formats.keys() == {"dspark", "gguf"}
+    assert entry.name == "dspark" and methods()["dspark"].formats.keys() == {"dspark", "gguf", "speculators"}
     back = entry.load(folder, tiny_target)
     for name, tensor in head.state_dict().items():
         assert torch.equal(back.state_dict()[name], tensor), name
@@ -243,7 +243,7 @@ def test_folder_round_trip_and_refusals(tiny_target, tmp_path):
         (folder / "config.json").write_text(json.dumps(bad))
         with pytest.raises(DraftsmithError, match=rf"has {key}={value!r}; draftsmith's DSpark drafter computes"):
             load_dspark(folder)
-    assert set(entry.unserved_formats) == {"speculators"}
+    assert entry.unserved_formats == {}
 
 
 # ---- `draftsmith train method=dspark`: the shared trainer, exact resume ----------------------------------------

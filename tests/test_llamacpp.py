@@ -617,15 +617,6 @@ def test_a_full_vocab_block_drafter_is_refused_gguf_in_one_sentence(method, make
     assert calls == [] and not out.exists()
 
 
-def test_dspark_speculators_export_is_refused_in_one_sentence(tiny_target, tmp_path):
-    head = dspark_folder(tiny_target, tmp_path / "trained")
-    with pytest.raises(DraftsmithError) as e:
-        export(compose("export", [f"head={head}", "format=speculators", f"out={tmp_path / 'out'}"]))
-    msg = str(e.value)
-    assert msg.startswith("format=speculators cannot be written for dspark heads: ") and "\n" not in msg, msg
-    assert "format=gguf" in msg and msg.endswith(".") and not (tmp_path / "out").exists()
-
-
 def smollm2_vocab_eagle3_folder(folder: Path) -> Path:
     """A random EAGLE-3 head 64 wide over SmolLM2's 49152-token vocabulary: llama.cpp's converter reads SmolLM2's
     tokenizer (one it knows; the tiny target's byte-level one it refuses) in a few seconds."""
