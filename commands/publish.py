@@ -29,7 +29,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from omegaconf import OmegaConf
 
@@ -262,18 +262,28 @@ def eval_results(report: dict, base_model: str) -> list:
     source = Path(str(prompts.get("path") or prompts.get("source") or "prompts")).stem
     d = report["drafting"]
     setting = f"{d['mode']} K={d['num_speculative_tokens']}, temperature {report.get('temperature')}"
-    common = dict(task_type="text-generation", task_name=f"speculative decoding with {base_model}",
-                  dataset_type=source, dataset_name=f"{source} ({report.get('n_prompts')} prompts)",
-                  dataset_args={"drafting": setting}, verified=False)
-    results = [EvalResult(metric_type="acceptance_length", metric_name="acceptance length tau (bonus token included)",
-                          metric_value=round(float(report["tau"]), 4), **common),
-               EvalResult(metric_type="speedup", metric_name="speedup vs target-only decoding (same decoder, "
-                          f"{report.get('hardware', {}).get('device', '?')})",
-                          metric_value=round(float(report["speedup"]), 4), **common)]
+
+    def result(metric_type: str, metric_name: str, metric_value: float) -> EvalResult:
+        return EvalResult(task_type="text-generation", task_name=f"speculative decoding with {base_model}",
+                          dataset_type=source, dataset_name=f"{source} ({report.get('n_prompts')} prompts)",
+                          dataset_args={"drafting": setting}, verified=False, metric_type=metric_type,
+                          metric_name=metric_name, metric_value=metric_value)
+
+    results = [result("acceptance_length", "acceptance length tau (bonus token included)",
+                      round(float(report["tau"]), 4)),
+               result("speedup", "speedup vs target-only decoding (same decoder, "
+                      f"{report.get('hardware', {}).get('device', '?')})", round(float(report["speedup"]), 4))]
     if report.get("per_position_acceptance"):
-        results.append(EvalResult(metric_type="acceptance_rate", metric_name="acceptance rate at draft position 1",
-                                  metric_value=round(float(report["per_position_acceptance"][0]), 4), **common))
+        results.append(result("acceptance_rate", "acceptance rate at draft position 1",
+                              round(float(report["per_position_acceptance"][0]), 4)))
     return results
+
+
+def _saved_config(path: Path) -> dict:
+    """A run's saved config.yaml (a mapping) as plain containers, interpolations as written."""
+    config = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    assert isinstance(config, dict), f"{path}: not a mapping"
+    return config
 
 
 def training_summary(folder: Path, offline_data: str) -> dict:
@@ -284,7 +294,7 @@ def training_summary(folder: Path, offline_data: str) -> dict:
         summary["head"] = read_manifest(folder).get("counts", {})
     run_dir = folder.parent if folder.name == "final" else None
     if run_dir is not None and (run_dir / "config.yaml").is_file():
-        train = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=False)
+        train = _saved_config(run_dir / "config.yaml")
         summary["train"] = {k: train.get(k) for k in ("method", "mode", "epochs", "max_steps", "lr", "precision",
                                                       "max_length", "micro_batch_size", "grad_accum") if k in train}
         data = Path(str(train.get("data", "")))
@@ -294,8 +304,7 @@ def training_summary(folder: Path, offline_data: str) -> dict:
             summary["data"] = {"counts": manifest.get("counts", {}),
                                "offline": mode == "offline" or (mode == "auto" and bool(manifest.get(offline_data)))}
             if (data / "config.yaml").is_file():
-                prompts = (OmegaConf.to_container(OmegaConf.load(data / "config.yaml"), resolve=False) or {}).get(
-                    "prompts") or {}
+                prompts = (_saved_config(data / "config.yaml") or {}).get("prompts") or {}
                 summary["data"]["prompts"] = prompts.get("source")
     return summary
 
@@ -374,7 +383,9 @@ def method_defaults(method) -> dict:
             out[f.name] = f.default
         elif f.default_factory is not dataclasses.MISSING:  # a nested options dataclass (a draft model's lora)
             value = f.default_factory()
-            out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                value = dataclasses.asdict(value)
+            out[f.name] = value
     return out
 
 
@@ -436,6 +447,19 @@ def _escaped(text: str) -> str:
     return json.dumps(text)[1:-1]  # how the text stands in a JSON file
 
 
+def _replaced_by(new: str) -> Callable[[re.Match[str]], str]:
+    """re.sub's replacement by `new` as it is (a string replacement would read its backslashes as escapes)."""
+    return lambda m: new
+
+
+def _last_part_under(root: str) -> Callable[[re.Match[str]], str]:
+    """re.sub's replacement of a path under `root` by its last part, and of `root` itself by <local folder>."""
+    def last_part(m: re.Match[str]) -> str:
+        path = m.group(0).rstrip("/")
+        return path.rsplit("/", 1)[-1] if path != root else "<local folder>"
+    return last_part
+
+
 @dataclass
 class PublicPaths:
     """What the Hub copy says instead of a local path: `names` maps a local path (and any path below it) to its
@@ -450,12 +474,11 @@ class PublicPaths:
         for old in sorted(self.names, key=len, reverse=True):
             new = self.names[old]
             for o, n in {(old, new), (_escaped(old), _escaped(new))}:
-                text = re.sub(edge + re.escape(o) + r"(?![\w.-])", lambda m, n=n: n, text)
+                text = re.sub(edge + re.escape(o) + r"(?![\w.-])", _replaced_by(n), text)
         for root in sorted(self.roots, key=len, reverse=True):
             for r in {root, _escaped(root)}:
-                text = re.sub(edge + re.escape(r) + f"(?:/{PATH_CHARS}*)?" + r"(?![\w.-])",
-                              lambda m, r=r: m.group(0).rstrip("/").rsplit("/", 1)[-1] if m.group(0).rstrip("/") != r
-                              else "<local folder>", text)
+                text = re.sub(edge + re.escape(r) + f"(?:/{PATH_CHARS}*)?" + r"(?![\w.-])", _last_part_under(r),
+                              text)
         return text
 
     def rewrite(self, folder: Path) -> None:
@@ -604,10 +627,10 @@ def hub_timeouts(seconds: float):
         _http.set_client_factory(previous)
 
 
-def hub_errors() -> tuple[type, ...]:
+def hub_errors() -> tuple[type[Exception], ...]:
     """What a failing Hub raises: HTTP answers (HfHubHTTPError), offline mode and refused connections (OSErrors),
     timeouts and transport errors (the HTTP library's own), an answer that is not JSON (ValueError)."""
-    errors: list[type] = [OSError, ValueError]
+    errors: list[type[Exception]] = [OSError, ValueError]
     for name in ("httpx2", "httpx"):
         try:
             errors.append(importlib.import_module(name).HTTPError)
