@@ -19,14 +19,14 @@ vLLM builds for `DFlashDraftModel`. Tensor names are the folder's: `fc`, `hidden
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence, cast
 
 import torch
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
-from draftsmith.heads.kit import DraftVocabHead, cached_attention, draft_config_from_target
+from draftsmith.heads.kit import DraftVocabHead, attention_sizes, cached_attention, draft_config_from_target
 
 
 def dflash_config_from_target(target_config, draft_vocab_size: int, num_layers: int, block_size: int,
@@ -53,7 +53,7 @@ class DFlashAttention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         H = config.hidden_size
-        self.n_heads, self.n_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = attention_sizes(config)
         self.q_proj = nn.Linear(H, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(H, self.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(H, self.n_kv_heads * self.head_dim, bias=False)
@@ -127,10 +127,10 @@ class DFlashHead(DraftVocabHead):
         [context; block] (S = C + N without caches, else the cache slots in use) -> pre-norm (B, N, H)."""
         h = self.embed_tokens(input_ids).to(self.fc.weight.dtype)
         cos, sin = self.rotary_emb(h, positions)
-        ctx_rope = self.rotary_emb(h, context_positions) if context is not None else None
+        ctx = (context, *self.rotary_emb(h, context_positions)) if context is not None else None
         caches = kv_caches if kv_caches is not None else [None] * len(self.layers)
-        for layer, cache in zip(self.layers, caches):
-            kv = layer.self_attn.keys_values(context, *ctx_rope) if context is not None else None
+        for layer, cache in zip(cast(Iterable[DFlashLayer], self.layers), caches):
+            kv = layer.self_attn.keys_values(*ctx) if ctx is not None else None
             h = layer(h, cos, sin, kv, attn_mask, cache, cache_positions)
         return h
 

@@ -13,7 +13,7 @@ training unrolls).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -52,9 +52,30 @@ def draft_config_from_target(target_config, draft_vocab_size: int) -> LlamaConfi
     return config
 
 
+def attention_sizes(config: LlamaConfig) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a Llama-shaped config. LlamaConfig types the last two Optional and fills
+    them in when a config names none (its __post_init__: num_attention_heads, hidden_size // num_attention_heads);
+    the same fallbacks here."""
+    n_heads = config.num_attention_heads
+    n_kv_heads = config.num_key_value_heads if config.num_key_value_heads is not None else n_heads
+    head_dim = config.head_dim if config.head_dim is not None else config.hidden_size // n_heads
+    return n_heads, n_kv_heads, head_dim
+
+
+class KVCache(Protocol):
+    """What attention writes its keys / values into (StaticKVCache, ConcatKVCache): `update` stores k, v (B, nkv, T,
+    d) for `cache_positions` and returns the keys / values attention reads (B, nkv, S_cache, d)."""
+
+    def update(self, cache_positions: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class StaticKVCache(nn.Module):
     """Position-indexed K/V buffers (B, n_kv, max_len, d): `update` writes at `cache_positions`, returns all
     slots; attention reads only the first S of them, S = its mask's width (the slots in use)."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
 
     def __init__(self, batch_size: int, max_len: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device=None):
@@ -63,7 +84,8 @@ class StaticKVCache(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, cache_positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    def update(self, cache_positions: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # k, v: (B, n_kv, T, d); cache_positions: (T,) slots to write
         self.k_cache.index_copy_(2, cache_positions, k.to(self.k_cache.dtype))
         self.v_cache.index_copy_(2, cache_positions, v.to(self.v_cache.dtype))
@@ -80,19 +102,21 @@ class ConcatKVCache:
         self.k: Optional[torch.Tensor] = None
         self.v: Optional[torch.Tensor] = None
 
-    def update(self, cache_positions, k: torch.Tensor, v: torch.Tensor):
+    def update(self, cache_positions: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         return self.k, self.v
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, cache_positions,
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Optional[KVCache], cache_positions,
                      attn_mask: Optional[torch.Tensor], rep: int) -> torch.Tensor:
     """Attention of q (B, nh, T, d) over k / v (B, nkv, T', d), written into `kv_cache` first when there is one (then
     the mask covers the first S slots: the rest are never read), each KV head repeated `rep` times for its query
     heads; (B, nh, T, d). The drafters' attentions share it (EAGLE-3's and P-EAGLE's layer, DFlash's)."""
     if kv_cache is not None:
         k, v = kv_cache.update(cache_positions, k, v)  # (B, nkv, S_cache, d)
+        assert attn_mask is not None, "with a KV cache, the mask's width is the number of slots in use"
         S = attn_mask.shape[-1]
         k, v = k[:, :, :S], v[:, :, :S]  # (B, nkv, S, d)
     k = k.repeat_interleave(rep, dim=1).to(q.dtype)  # (B, nh, S, d)
@@ -106,9 +130,7 @@ class Attention(nn.Module):
 
     def __init__(self, config: LlamaConfig, in_dim: Optional[int] = None):
         super().__init__()
-        self.n_heads = config.num_attention_heads
-        self.n_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = attention_sizes(config)
         in_dim = in_dim or 2 * config.hidden_size
         self.q_proj = nn.Linear(in_dim, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(in_dim, self.n_kv_heads * self.head_dim, bias=False)
@@ -164,6 +186,8 @@ class DraftVocabHead(nn.Module):
 
     embed_tokens: nn.Embedding
     lm_head: nn.Linear
+    d2t: torch.Tensor
+    t2d: torch.Tensor
 
     def add_inputs(self, config: LlamaConfig, train_embeddings: bool) -> int:
         """`config`, `embed_tokens` (frozen unless trained) and `fc` over three target layers; returns H_t."""
