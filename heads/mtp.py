@@ -55,7 +55,8 @@ def mtp_config_from_target(target_config, num_layers: int = 1, hidden: str = "pr
     config = Qwen2Config(
         vocab_size=target_config.vocab_size, hidden_size=H, intermediate_size=target_config.intermediate_size,
         num_hidden_layers=target_config.num_hidden_layers, num_attention_heads=heads,
-        num_key_value_heads=target_config.num_key_value_heads, max_position_embeddings=target_config.max_position_embeddings,
+        num_key_value_heads=target_config.num_key_value_heads,
+        max_position_embeddings=target_config.max_position_embeddings,
         rms_norm_eps=target_config.rms_norm_eps, hidden_act=getattr(target_config, "hidden_act", "silu"),
         rope_parameters=dict(rope), tie_word_embeddings=False)
     config.head_dim = head_dim
@@ -161,7 +162,7 @@ class MTPDrafter(nn.Module):
         output before that norm (pre_norm: MiMo in vLLM, `mimo.py:87`). The step reads h only through
         hidden_layernorm, which is blind to h's scale, and norm(h) = h / rms(h) * w: so h_N / w is the pre-norm state
         up to its scale, and the step computes what it computes on the pre-norm state but for the norms' eps: a relative
-        eps / (2 mean(h^2)), 5e-7 for a unit-scale state at eps 1e-6 (a trained target's last hidden state is larger)."""
+        eps / (2 mean(h^2)), 5e-7 for a unit-scale state at eps 1e-6 (a trained target's last state is larger)."""
         if self.config.mtp_hidden == "post_norm":
             return last_hidden
         weight = self._lent()[2].weight

@@ -275,8 +275,8 @@ def mimo_config(config: dict, num_layers: int) -> dict:
                               "be saved as a MiMo.")
     H, heads = config["hidden_size"], config["num_attention_heads"]
     if config.get("head_dim") not in (None, H // heads) or H % heads:
-        raise DraftsmithError(f"the target's head_dim {config.get('head_dim')} is not hidden_size / num_attention_heads "
-                              f"({H} / {heads}), which a Qwen2 (MiMo's base) assumes.")
+        raise DraftsmithError(f"the target's head_dim {config.get('head_dim')} is not hidden_size / "
+                              f"num_attention_heads ({H} / {heads}), which a Qwen2 (MiMo's base) assumes.")
     out = {k: v for k, v in config.items() if k not in ("attention_bias", "mlp_bias", "pretraining_tp", "auto_map")}
     rope = config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config.get("rope_theta", 10000.0)}
     out.update(architectures=[MIMO_ARCHITECTURE], model_type="qwen2", num_nextn_predict_layers=num_layers,
@@ -292,8 +292,8 @@ def convert_to_mimo(target_folder: Path, out, drafter: MTPDrafter, manifest_targ
     config = read_config_json(target_folder)
     new_config = mimo_config(config, drafter.config.num_nextn_predict_layers)
     names = tensor_names(target_folder)
-    tensors = read_tensors(target_folder, lambda name: name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))
-                           or name == "model.embed_tokens.weight")
+    wanted = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
+    tensors = read_tensors(target_folder, lambda name: name.endswith(wanted) or name == "model.embed_tokens.weight")
     extra = {}
     for i in range(config["num_hidden_layers"]):
         for proj in ("q_proj", "k_proj", "v_proj"):

@@ -20,14 +20,15 @@ from draftsmith.heads.mtp import MTPDrafter, init_mtp_layer, mtp_config_from_tar
 VOCAB = 96
 
 
-def tiny_llama(seed: int = 0, vocab: int = VOCAB, layers: int = 2, hidden: int = 64) -> LlamaForCausalLM:
+def tiny_llama(seed: int = 0, vocab: int = VOCAB, layers: int = 2, hidden: int = 64, heads: int = 4,
+               kv_heads: int = 2) -> LlamaForCausalLM:
     """A random Llama whose norms are not all ones (so the final norm's weight tells pre- from post-norm states) and
     whose embeddings are of unit scale, as a trained model's hidden states are (heads/mtp.py engine_hidden: the
     pre-norm state read from hidden_states[N] differs by eps / (2 mean(h^2)) relative, 1e-3 at HF's 0.02 init)."""
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
-                         rope_theta=10000.0, tie_word_embeddings=False)
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                         rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -85,7 +85,8 @@ def test_proposer_logits_in_the_decode_loop_equal_the_training_unroll(sampling, 
             torch.testing.assert_close(logits[i], drafter.logits(steps[i][0, t]), rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("drafting", [DraftingConfig("chain", 3), DraftingConfig("tree", 3, 2, 6)], ids=["chain", "tree"])
+@pytest.mark.parametrize("drafting", [DraftingConfig("chain", 3), DraftingConfig("tree", 3, 2, 6)],
+                         ids=["chain", "tree"])
 def test_greedy_is_token_identical_to_target_only(drafting):
     target = _target(256)
     runner = TargetRunner(target, 256, AUX)
