@@ -17,17 +17,25 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from draftsmith.core import DraftsmithError
 from draftsmith.core.trust import check_weights_file, remote_code_refused
 from draftsmith.heads.folders import WEIGHTS
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class CausalLM(Protocol):
+    """What DraftLM reads of its HF causal LM (LoRA-wrapped or not): the decoder stack and the output embeddings."""
+
+    model: nn.Module
+
+    def get_output_embeddings(self) -> nn.Module: ...
 
 
 @dataclass
@@ -64,7 +72,7 @@ class DraftLM(nn.Module):
         self.config.lora = dict(lora)
         self._wrap(self.config.lora)
 
-    def base(self) -> nn.Module:
+    def base(self) -> CausalLM:
         """The HF causal LM (LoRA layers injected in place when wrapped)."""
         return self.lm.get_base_model() if self.config.lora is not None else self.lm
 
@@ -82,7 +90,7 @@ class DraftLM(nn.Module):
             attention_mask = torch.ones_like(input_ids)
         return self.logits(self.hidden(input_ids, attention_mask))
 
-    def merged(self) -> nn.Module:
+    def merged(self) -> PreTrainedModel:
         """A plain HF causal LM with the LoRA weights merged in (a copy; this module is unchanged)."""
         lm = copy.deepcopy(self.lm)
         if self.config.lora is not None:
@@ -125,7 +133,7 @@ def draft_from_target(target, layers: list[int], lora: Optional[dict], train_emb
     bad = [i for i in layers if not 0 <= i < N]
     if bad:
         raise DraftsmithError(f"method.layers has {bad[0]}, but target {target.target_id!r} has layers 0..{N - 1}.")
-    changes = {"num_hidden_layers": len(layers)}
+    changes: dict[str, object] = {"num_hidden_layers": len(layers)}
     if isinstance(getattr(mc, "layer_types", None), list):
         changes["layer_types"] = [mc.layer_types[i] for i in layers]
     config = untied_config(mc, **changes)

@@ -30,7 +30,9 @@ def load_draft_folder(folder: str | Path, *, dtype: Optional[torch.dtype] = None
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False) \
             if (folder / "tokenizer_config.json").is_file() else None
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True, trust_remote_code=False)
-    model.draftsmith_tokenizer = tokenizer
+    # torch types nn.Module.__setattr__'s value as a Tensor or Module, while it keeps any other value as a plain
+    # attribute (which this is)
+    model.draftsmith_tokenizer = tokenizer  # type: ignore[assignment]
     return model
 
 
@@ -43,7 +45,9 @@ def save_draft(drafter, folder, manifest_target: Optional[dict] = None, stage: s
     folder = Path(folder)
     model = drafter.merged() if isinstance(drafter, DraftLM) else drafter
     if dtype is not None:
-        model = model.to(dtype)
+        # transformers wraps PreTrainedModel.to in functools.wraps(nn.Module.to), whose typeshed type does not bind
+        # self (mypy reads `dtype` as the model)
+        model = model.to(dtype)  # type: ignore[arg-type]
     tokenizer = drafter.config.tokenizer if isinstance(drafter, DraftLM) else _folder_tokenizer(drafter)
     with atomic_folder(folder, owner="export" if stage == "export" else None) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
