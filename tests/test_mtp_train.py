@@ -10,13 +10,16 @@ import torch
 import torch.nn.functional as F
 from method_checks import tiny_data, tiny_train_cfg  # noqa: F401  (tiny_data: a fixture)
 from safetensors import safe_open
-from test_mtp import random_layers, tiny_mimo
+from test_mtp import random_layers
+from test_mtp_eval import questions
 from test_mtp_decoder import _target
 
 from draftsmith.cli import main
+from draftsmith.configs import compose
 from draftsmith.core import DraftsmithError
 from draftsmith.core.methods import method_for_folder, methods
 from draftsmith.data_gen.target import TargetConfig, load_target, tiny_tokenizer
+from draftsmith.eval import run as ev
 from draftsmith.heads import mtp_folders
 from draftsmith.heads.kit import causal_mask
 from draftsmith.heads.mtp import mtp_config_from_target
@@ -133,6 +136,11 @@ def test_train_then_export_stitches_the_trained_layer(tiny_data, tmp_path):  # n
     final = tmp_path / "run" / "final"
     assert method_for_folder(final).name == "mtp"
     trained = methods()["mtp"].load(final)
+    # eval reads train's output beside the target it was trained for, and stays lossless
+    report = ev.run(compose("eval", ["target=tiny", "target.dtype=float32", f"head={tmp_path / 'run'}",
+                                     f"prompts.path={questions(tmp_path)}", "prompts.n=null", "max_new_tokens=8",
+                                     "repeats=1", "progress=false", "plot=false", f"out={tmp_path / 'eval'}"]))
+    assert report["method"] == "mtp" and report["greedy_identical_fraction"] == 1.0
     # a target folder to stitch into: the tiny preset saved as a MiMo (its own layer untrained)
     tiny = load_target(TargetConfig(name="tiny", dtype="float32"))
     source, _ = tmp_path / "tiny-mimo", mtp_folders.save_as_mimo(tiny.model, tmp_path / "tiny-mimo")
