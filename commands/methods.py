@@ -114,13 +114,15 @@ ROWS = (
     # with "parallel_drafting": true. vLLM serves it as eagle3 with parallel drafting; SGLang has no P-EAGLE.
     Method("peagle", folders=_peagle_folders, proposers=_peagle_proposers, training_module=_peagle_training,
            engines=Engines(vllm="eagle3", vllm_options=(("parallel_drafting", True),))),
-    # DFlash: vLLM's method dflash (the folder's DFlashDraftModel); SGLang's DFLASH flags are not confirmed here
+    # DFlash: vLLM's method dflash (the folder's DFlashDraftModel); llama.cpp's draft-dflash (export format=gguf,
+    # through its DSpark converter: heads/dflash_folders.py); SGLang's DFLASH flags are not confirmed here
     Method("dflash", folders=_dflash_folders, proposers=_dflash_proposers, training_module=_dflash_training,
-           engines=Engines(vllm="dflash")),
-    # DSpark: DFlash plus a Markov head and a confidence head (DeepSpec). Its folders are draftsmith's own for now
-    # (format=dspark); the engines' formats come later (issue 47: GGUF for llama.cpp's draft-dspark, speculators'
-    # DSparkSpeculator), so no engine serves it from here yet: vLLM 0.32 serves DSpark only on its V2 runner (GPU)
-    Method("dspark", folders=_dspark_folders, proposers=_dspark_proposers, training_module=_dspark_training),
+           engines=Engines(vllm="dflash", llamacpp="draft-dflash")),
+    # DSpark: DFlash plus a Markov head and a confidence head (DeepSpec). llama.cpp serves it (draft-dspark, export
+    # format=gguf); vLLM 0.32 serves DSpark only on its V2 runner (GPU, Triton): vLLM for CPU refuses it, so the
+    # row names no vLLM method (export format=speculators writes the folder a GPU vLLM loads)
+    Method("dspark", folders=_dspark_folders, proposers=_dspark_proposers, training_module=_dspark_training,
+           engines=Engines(vllm=None, llamacpp="draft-dspark")),
     # MTP: the target's own multi-token-prediction layer (a MiMo folder's, or one grafted on), fine-tuned and stitched
     # back into a copy of the target (export format=mimo); vLLM serves that folder as the model with method mtp
     Method("mtp", folders=_mtp_folders, proposers=_mtp_proposers, training_module=_mtp_training,

@@ -45,7 +45,9 @@ def test_every_row_says_what_the_engines_call_it():
     assert rows["peagle"].engines.vllm == "eagle3" and dict(rows["peagle"].engines.vllm_options) == {
         "parallel_drafting": True} and rows["peagle"].engines.sglang is None
     assert rows["draft"].engines == Engines(vllm="draft_model", sglang="STANDALONE", llamacpp="draft-simple")
-    assert rows["peagle"].engines.llamacpp is None and rows["dflash"].engines.llamacpp is None
+    assert rows["peagle"].engines.llamacpp is None  # llama.cpp has no P-EAGLE graph
+    assert rows["dflash"].engines == Engines(vllm="dflash", llamacpp="draft-dflash")
+    assert rows["dspark"].engines == Engines(vllm=None, llamacpp="draft-dspark")  # vLLM for CPU refuses DSpark
     x = types.ModuleType("x")
     assert methods.Method("x", folders=lambda: x, proposers=lambda: x).engines.vllm is None  # serves nowhere by default
 
