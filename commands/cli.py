@@ -16,6 +16,7 @@ import importlib
 import inspect
 import re
 import sys
+from typing import Sequence
 
 from draftsmith.core import procenv
 from draftsmith.core.methods import trainable  # the table's names only: nothing of a method (nor torch) is imported
@@ -66,7 +67,7 @@ def version() -> str:
     return f"draftsmith {__version__}"
 
 
-def field_docs(cls) -> dict[str, str]:
+def field_docs(cls: type) -> dict[str, str]:
     """Field name -> its description: the comment after the field, else the comment lines right above it.
 
     Base classes first, so a subclass (EvalPromptsConfig) overrides what it redefines."""
@@ -122,7 +123,7 @@ def option_rows(cls, node, prefix: str = ""):
         yield name, "???" if missing else _show(child), doc
 
 
-def option_help(command: str, config_name: str, overrides: list[str] = ()) -> str:
+def option_help(command: str, config_name: str, overrides: Sequence[str] = ()) -> str:
     """`draftsmith <command> --help`: every option with its default (as the stage's YAML sets it) and description
     (`method=draft --help`: with that option group's options)."""
     from pathlib import Path

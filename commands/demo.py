@@ -36,7 +36,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from omegaconf import OmegaConf
 
@@ -122,7 +122,7 @@ def sizes(cfg) -> dict:
     """The flavour's sizes with the user's explicit knobs on top."""
     if cfg.flavour not in FLAVOURS:
         raise DraftsmithError(f"flavour={cfg.flavour!r} is not one of {', '.join(FLAVOURS)}.")
-    s = dict(FLAVOURS[cfg.flavour])
+    s: dict = dict(FLAVOURS[cfg.flavour])
     for key in s:
         value = getattr(cfg, key, None)
         if value is not None:
@@ -197,7 +197,9 @@ def _done(out: Path, stage: str, overrides: list[str]) -> bool:
 
 
 def _run_stage(stage: str, overrides: list[str]) -> dict:
-    runner = {"data_gen": data_gen_run, "train": train_run, "eval": eval_run}[stage]
+    # each takes its own stage's config, the tree compose returns
+    runners: dict[str, Callable[..., dict]] = {"data_gen": data_gen_run, "train": train_run, "eval": eval_run}
+    runner = runners[stage]
     return runner(compose(stage, overrides))
 
 
@@ -273,6 +275,7 @@ def run(cfg: DemoConfig) -> dict:
         the steps its plan.json saved)."""
         if plan is None or not data_gen_ran:
             return s
+        assert cfg.budget_min is not None  # a plan is made for a budget only (sizes)
         plan.update(resize_training(plan, cfg.budget_min * 60.0, time.perf_counter() - t_all))
         atomic_write_json(out / PLAN, {"key": plan_key(cfg, sizes(cfg)),
                                        "plan": {k: v for k, v in plan.items() if k != "calibrated_now"}})

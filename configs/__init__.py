@@ -195,7 +195,8 @@ def check_keys(config_name: str, cfg, cls, prefix: str = "") -> None:
 
 def composition_error(config_name: str, e: Exception):
     """One sentence (DraftsmithError) for a Hydra / OmegaConf error raised while composing overrides."""
-    chain, x = [], e
+    chain: list[BaseException] = []
+    x: BaseException | None = e
     while x is not None and x not in chain:
         chain.append(x)
         x = x.__cause__ or x.__context__
@@ -211,9 +212,9 @@ def composition_error(config_name: str, e: Exception):
                                        f"choose from {', '.join(options)}.")
             return DraftsmithError(f"{missing_file} is not a config of {command_name(config_name)}.")
     for x in chain:
-        if not isinstance(x, OmegaConfBaseException) or not getattr(x, "full_key", None):
+        key = getattr(x, "full_key", None)  # (OmegaConf sets it where it raises: not on every exception of its kinds)
+        if not isinstance(x, OmegaConfBaseException) or not key:
             continue
-        key = x.full_key
         if isinstance(x, (ConfigKeyError, ConfigAttributeError)):
             return unknown_option(config_name, key)
         if isinstance(x, ValidationError):
