@@ -119,10 +119,10 @@ ROWS = (
     Method("dflash", folders=_dflash_folders, proposers=_dflash_proposers, training_module=_dflash_training,
            engines=Engines(vllm="dflash", llamacpp="draft-dflash")),
     # DSpark: DFlash plus a Markov head and a confidence head (DeepSpec). llama.cpp serves it (draft-dspark, export
-    # format=gguf); vLLM 0.32 serves DSpark only on its V2 runner (GPU, Triton): vLLM for CPU refuses it, so the
-    # row names no vLLM method (export format=speculators writes the folder a GPU vLLM loads)
+    # format=gguf); vLLM 0.32's method dspark runs only on its V2 runner (GPU, Triton): vLLM for CPU refuses it
+    # ("Model Runner V1 does not support dspark speculative decoding"), so draftsmith checks it in llama.cpp
     Method("dspark", folders=_dspark_folders, proposers=_dspark_proposers, training_module=_dspark_training,
-           engines=Engines(vllm=None, llamacpp="draft-dspark")),
+           engines=Engines(vllm="dspark", llamacpp="draft-dspark")),
     # MTP: the target's own multi-token-prediction layer (a MiMo folder's, or one grafted on), fine-tuned and stitched
     # back into a copy of the target (export format=mimo); vLLM serves that folder as the model with method mtp
     Method("mtp", folders=_mtp_folders, proposers=_mtp_proposers, training_module=_mtp_training,

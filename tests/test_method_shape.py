@@ -47,7 +47,7 @@ def test_every_row_says_what_the_engines_call_it():
     assert rows["draft"].engines == Engines(vllm="draft_model", sglang="STANDALONE", llamacpp="draft-simple")
     assert rows["peagle"].engines.llamacpp is None  # llama.cpp has no P-EAGLE graph
     assert rows["dflash"].engines == Engines(vllm="dflash", llamacpp="draft-dflash")
-    assert rows["dspark"].engines == Engines(vllm=None, llamacpp="draft-dspark")  # vLLM for CPU refuses DSpark
+    assert rows["dspark"].engines == Engines(vllm="dspark", llamacpp="draft-dspark")  # vLLM: on a GPU only
     x = types.ModuleType("x")
     assert methods.Method("x", folders=lambda: x, proposers=lambda: x).engines.vllm is None  # serves nowhere by default
 
