@@ -140,8 +140,12 @@ class MTPDrafter(nn.Module):
         if target_model.config.vocab_size != self.config.vocab_size:
             raise DraftsmithError(f"the MTP layer's config has vocab_size {self.config.vocab_size}, the target "
                                   f"{target_model.config.vocab_size}: it was made for another target.")
-        self._target = (target_model.get_input_embeddings(), target_model.get_output_embeddings(),
-                        target_model.model.norm)
+        norm = target_model.model.norm
+        # checked once here, not in every step (a host sync on an accelerator)
+        if self.config.mtp_hidden == "pre_norm" and bool((norm.weight == 0).any()):
+            raise DraftsmithError("the target's final norm has a zero weight: its pre-norm hidden state cannot be "
+                                  "read from hidden_states[N] (heads/mtp.py MTPDrafter.engine_hidden).")
+        self._target = (target_model.get_input_embeddings(), target_model.get_output_embeddings(), norm)
         return self
 
     def _lent(self) -> tuple:
@@ -165,11 +169,7 @@ class MTPDrafter(nn.Module):
         eps / (2 mean(h^2)), 5e-7 for a unit-scale state at eps 1e-6 (a trained target's last state is larger)."""
         if self.config.mtp_hidden == "post_norm":
             return last_hidden
-        weight = self._lent()[2].weight
-        if bool((weight == 0).any()):
-            raise DraftsmithError("the target's final norm has a zero weight: its pre-norm hidden state cannot be "
-                                  "read from hidden_states[N] (method mtp, mtp_hidden pre_norm).")
-        return last_hidden / weight.to(last_hidden.dtype)
+        return last_hidden / self._lent()[2].weight.to(last_hidden.dtype)  # attach refused a zero weight
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 attn_mask: torch.Tensor, kv_cache=None, cache_positions: Optional[torch.Tensor] = None,

@@ -122,6 +122,10 @@ def test_the_pre_norm_state_is_read_from_hidden_states_n():
         drafter.config.mtp_hidden = "post_norm"  # the other state: another input (the final norm is not all ones)
         assert not torch.allclose(drafter(ids, drafter.engine_hidden(post), positions, causal_mask(6))[0], from_pre,
                                   atol=1e-3)
+        drafter.config.mtp_hidden = "pre_norm"
+        model.model.norm.weight[3] = 0.0  # the pre-norm state cannot be read back through a zero weight
+        with pytest.raises(DraftsmithError, match="final norm has a zero weight"):
+            drafter.attach(model)
 
 
 def test_save_as_mimo_loads_in_transformers_and_in_draftsmith(tmp_path):
