@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -93,7 +93,7 @@ def measure_target(runner, context: int, sizes: Sequence[int], repeats: int = 5,
 
 # ---- the table ------------------------------------------------------------------------------
 
-def decode_clock(target_only: Sequence, runs: dict[int, Sequence]) -> dict:
+def decode_clock(target_only: Sequence, runs: Mapping[int, Sequence]) -> dict:
     """The decode's own clock (eval's Samples: prefill, decode and verify seconds, medians over repeats): one
     target-only step, and per decoded K the seconds of one verification inside the decode, the prefill and the
     decode-only speedup. The isolated passes `measure_target` times can run at another speed than the same pass
@@ -156,7 +156,7 @@ def cost_table(target: dict, acceptance: Sequence[float], runs: Sequence[dict], 
             tau = predicted_tau(acceptance, k) if k <= len(acceptance) else None
         if timed_verify is None or tau is None:
             continue
-        row = {"k": k, "verify_tokens": n}
+        row: dict[str, Optional[float]] = {"k": k, "verify_tokens": n}
         t_verify, predicted = timed_verify, predicted_speedup(tau, t_step, timed_verify, t_draft)
         if clock and clock.get("step_s") and clock["by_k"]:
             near = min(clock["by_k"], key=lambda j: (abs(j - k), j))
@@ -222,7 +222,7 @@ def serving_settings(method: str, engines: Engines, target_model: str, head_path
         tree = mode == "tree"
         topk = tree_top_k if tree else 1
         draft_tokens = (tree_size if tree and tree_size else k) + 1  # SGLang counts the root token
-        flags = {"--speculative-algorithm": engines.sglang}
+        flags: dict[str, str | int] = {"--speculative-algorithm": engines.sglang}
         if engines.draft_folder:
             flags["--speculative-draft-model-path"] = model
         flags.update({"--speculative-num-steps": k, "--speculative-eagle-topk": topk,

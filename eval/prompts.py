@@ -56,7 +56,8 @@ def read_jsonl(path: str | Path, source: str) -> list[EvalPrompt]:
     A record without a user turn is skipped and reported, as data-gen does (`with_user_turn`).
     """
     path = Path(path)
-    prompts, skipped = [], []
+    prompts: list[EvalPrompt] = []
+    skipped: list[int] = []  # line numbers
     for record in with_user_turn(read_conversations(source, path), str(path), skipped):  # data-gen's rule
         turns, system = _from_messages(record["messages"], path, record["line"])
         prompts.append(EvalPrompt(id=record["id"], category=record["category"] or "default", turns=turns,

@@ -166,8 +166,11 @@ def cost_lines(report: dict) -> list[str]:
                 continue
             e = rec.get(engine) or {}
             lines += [f"{ENGINE_NAMES[engine]}:", ""]
-            shell = [e["export_command"], e["command"]] if e.get("export_command") else [e.get("command")]
-            lines += ["```bash", *shell, "```", ""] if e.get("command") else [e.get("note", "-"), ""]
+            if e.get("command"):
+                shell = [e["export_command"], e["command"]] if e.get("export_command") else [e["command"]]
+                lines += ["```bash", *shell, "```", ""]
+            else:
+                lines += [e.get("note", "-"), ""]
     return lines
 
 

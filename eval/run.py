@@ -126,7 +126,7 @@ def load_drafter(cfg, target: Target, max_len: int) -> Drafter:
                                          info, model, entry.engines, entry))
 
 
-def ngram_proposer(cfg) -> Proposer:
+def ngram_proposer(cfg) -> NgramProposer:
     return NgramProposer(cfg.ngram_max, cfg.ngram_min, cfg.ngram_match)
 
 
@@ -135,7 +135,9 @@ def with_ngram_first(cfg, drafter: Drafter) -> Drafter:
     if not cfg.ngram_first:
         return drafter
     info = drafter.info | {"ngram_first": True, "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max}
-    return Drafter(f"ngram+{drafter.method}", lambda: NgramFirstProposer(ngram_proposer(cfg), drafter.make()),
+    make = drafter.make
+    assert make is not None  # a head folder's (EvalConfig refuses ngram_first with head=ngram or none)
+    return Drafter(f"ngram+{drafter.method}", lambda: NgramFirstProposer(ngram_proposer(cfg), make()),
                    info, drafter.model, drafter.engines, drafter.row)  # served as its head
 
 
@@ -145,7 +147,8 @@ def decode_conversation(runner, proposer: Optional[Proposer], tokenizer, prompt:
                         max_new_tokens: int, sampling: SamplingConfig, drafting: DraftingConfig,
                         eos: list[int], seed: int) -> list[GenerationResult]:
     """Answer every turn of a prompt, each after the method's own previous answers; one result per turn."""
-    results, answers = [], []
+    results: list[GenerationResult] = []
+    answers: list[str] = []
     for turn in range(len(prompt.turns)):
         ids = torch.tensor(render(tokenizer, prompt, answers))
         generator = torch.Generator(device=runner.device).manual_seed(seed + turn)
@@ -315,7 +318,7 @@ def decode_all(setup: Setup, proposers: dict[str, Optional[Proposer]], drafter: 
     samples: dict[str, list[metrics.Sample]] = {m: [] for m in proposers}
     hf_samples: dict[str, list[metrics.Sample]] = {b: [] for b in cfg.baselines if b.startswith("hf_")}
     for prompt in progress(setup.prompts, desc=f"eval {drafter.method}", unit="prompt", enabled=cfg.progress):
-        runs = {m: [] for m in proposers}
+        runs: dict[str, list[list[GenerationResult]]] = {m: [] for m in proposers}
         for _ in range(cfg.repeats):  # methods interleaved, so drift in machine speed hits all alike
             for m, proposer in proposers.items():
                 runs[m].append(setup.decode(proposer, prompt, m))
@@ -368,6 +371,7 @@ def cost_report(setup: Setup, drafter: Drafter, samples: dict[str, list[metrics.
     context = int(metrics.median([len(render(setup.target.tokenizer, p, [])) for p in setup.prompts])
                   + metrics.median([s.new_tokens for s in base]) / 2)
     measured = cost.measure_target(setup.runner, context, sizes, cfg.cost_repeats, tree_sizes)
+    assert drafter.make is not None  # main is the head's method (target-only returned above)
     one_forward = bool(getattr(drafter.make(), "one_forward", False))  # its cost per cycle, whatever K
     clock = cost.decode_clock(base, runs)  # the decode's own seconds: what the prediction is made of (eval/cost.py)
     table = cost.cost_table(measured, acceptance, rows, mode=d.mode, max_k=max(runs), one_forward=one_forward,

@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 
 GRAPH_MAX_TOKENS = 65  # static mode: passes up to this many tokens (a draft of 64 and its root) use graphs
@@ -71,7 +72,7 @@ class TargetRunner:
     Reusable across prompts: `reset()` only forgets the length, nothing is reallocated.
     """
 
-    def __init__(self, model: nn.Module, max_len: int, aux_layer_ids: Optional[list[int]] = None,
+    def __init__(self, model: PreTrainedModel, max_len: int, aux_layer_ids: Optional[list[int]] = None,
                  cuda_graph: bool = False, static: Optional[bool] = None):
         self.model = model.eval()
         self.base = model.model  # the decoder stack (LlamaModel, Qwen2Model, ...)
@@ -261,9 +262,9 @@ def divergence(runner: TargetRunner, prompt_ids: list[int], reference: list[int]
     runner.reset()
     row = logits[0].float()
     top = torch.topk(row, 2)
-    out = {"position": i, "target_token": reference[i] if i < len(reference) else None,
-           "other_token": other[i] if i < len(other) else None,
+    other_token = other[i] if i < len(other) else None
+    out = {"position": i, "target_token": reference[i] if i < len(reference) else None, "other_token": other_token,
            "margin": float(top.values[0] - top.values[1]), "top2": top.indices.tolist()}
-    if out["other_token"] is not None:
-        out["other_rank"] = int((row > row[out["other_token"]]).sum())  # 0 = the target's argmax here
+    if other_token is not None:
+        out["other_rank"] = int((row > row[other_token]).sum())  # 0 = the target's argmax here
     return out

@@ -22,7 +22,7 @@ paid, so only verification width is saved.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -40,13 +40,21 @@ class ModelProposer:
 
     needs_aux = False
     one_forward = False  # a drafter step per depth: its cost grows with K (eval/cost.py cost_table)
+    # the hooks, given by the subclass
+    _root_logits: torch.Tensor  # (Vo,) the root's drafter logits, set by `update`
+    _expand: Callable[[list[int], list[int], list[int], int], torch.Tensor]  # (new nodes, tokens, parents, depth) ->
+    #                                                                          (n, Vo): the drafter run on them
+    _to_target: Callable[[torch.Tensor], torch.Tensor]  # own-vocab ids -> target ids
+    _q_target: Callable[[torch.Tensor], torch.Tensor]  # probs over Vo -> q over the target vocab
 
     def propose(self, drafting: DraftingConfig, sampling: SamplingConfig, generator=None) -> Draft:
         chain = drafting.mode == "chain"
         k = 1 if chain else drafting.tree_top_k  # children drafted per depth
         budget = drafting.num_speculative_tokens if chain else drafting.tree_budget  # nodes in all
         sample = chain and not sampling.greedy  # one child x ~ q per depth; else the best-scoring children
-        tokens, parents, qs = [], [], []  # per node: target id, parent node (-1 = root), q over the target vocab
+        tokens: list[int] = []  # per node: target id, parent node (-1 = root), q over the target vocab
+        parents: list[int] = []
+        qs: list[torch.Tensor] = []
         self._anc: list[list[int]] = []  # per node: its ancestors' indices and its own, root first
         frontier = [-1]  # the m nodes whose children this depth drafts (-1 = the root)
         fscore = torch.zeros(1, dtype=torch.float64, device=self._root_logits.device)  # (m,) their cumulative draft log-probs
@@ -151,9 +159,14 @@ class OneForwardProposer:
         self._check_k(k)
         return sample_chain(self._forward(k), self.draft_ids, self.V, drafting, sampling, generator)
 
+    def _pending_rows(self) -> torch.Tensor:
+        """The pending features (T, 3H_t), there from the first `update` on (the decoder's first call after reset)."""
+        assert self.pending is not None, f"{self.method} proposer: propose before update"
+        return self.pending
+
     def _pending_span(self) -> tuple[int, int, int]:
         """(L, T, start): the committed length, the pending feature rows, the first pending position."""
-        L, T = len(self.seq), self.pending.shape[0]
+        L, T = len(self.seq), self._pending_rows().shape[0]
         return L, T, L - 1 - T  # the pending rows are positions [start, L-1)
 
     def _slots_in_use(self, width: int) -> int:
@@ -194,11 +207,11 @@ class BlockProposer(OneForwardProposer):
         width = self._slots_in_use(L + k)  # context 0 .. L-2, the block L-1 .. L-1+k
         ids = torch.tensor([self.seq[-1]] + [self.head.mask_token_id] * k, device=self.device)[None]  # (1, k+1)
         block_pos = torch.arange(L - 1, width, device=self.device)  # (k+1,)
-        context = self.head.context(self.pending[None].to(self.device)) if T else None  # (1, T, H)
+        context = self.head.context(self._pending_rows()[None].to(self.device)) if T else None  # (1, T, H)
         ctx_pos = torch.arange(start, L - 1, device=self.device)  # (T,)
         mask = torch.ones(1, 1, k + 1, width, dtype=torch.bool, device=self.device)  # every slot in use, both ways
         h = self.head.trunk(ids, block_pos[None], context, ctx_pos[None] if T else None, mask, self.caches,
                             torch.cat([ctx_pos, block_pos]) if T else block_pos)
-        self.pending = self.pending[:0]  # the context now sits in the cache
+        self.pending = self._pending_rows()[:0]  # the context now sits in the cache
         return h[0]
 

@@ -44,12 +44,12 @@ class PEagleProposer(OneForwardProposer):
         L, T, start = self._pending_span()  # the pending rows are positions [start, L-1)
         width = self._slots_in_use(L - 1 + k - 1)  # entries 0 .. L-2, mask slots L-1 .. L+k-3
         ids = torch.tensor(self.seq[start + 1:] + [self.head.mask_token_id] * (k - 1), device=self.device)[None]
-        fused = self.head.fuse(self.pending[None].to(self.device))  # (1, T, H)
+        fused = self.head.fuse(self._pending_rows()[None].to(self.device))  # (1, T, H)
         hidden = torch.cat([fused, self.mask_fused.to(fused.dtype).expand(1, k - 1, -1)], dim=1)  # (1, T+k-1, H)
         pos = torch.arange(start, width, device=self.device)  # slot == position
         mask = (torch.arange(width, device=self.device)[None, :] <= pos[:, None])[None, None]  # (1, 1, N, width)
         _, logits = self.head(ids, hidden, pos[None], mask, self.caches, pos)
-        self.pending = self.pending[:0]  # the entries now sit in the cache
+        self.pending = self._pending_rows()[:0]  # the entries now sit in the cache
         return logits[0, T - 1:]  # the last entry and the mask slots
 
 
