@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
 
@@ -173,6 +174,30 @@ def test_stitch_changes_only_the_mtp_tensors_and_checks_shapes(tmp_path):
     with pytest.raises(DraftsmithError):
         mtp_folders.stitch(trained, folder, tmp_path / "users")
     assert (tmp_path / "users" / "notes.txt").read_text() == "mine"
+
+
+def test_stitch_into_a_sharded_target(tmp_path):
+    """A target in two shards with an index: the MTP tensors leave the shards that held them for the first one, the
+    index names every tensor's file, and the other tensors are unchanged."""
+    folder, llama = tiny_mimo(tmp_path / "mimo")
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+    names = sorted(tensors)
+    half = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in half.items():
+        save_file({n: tensors[n] for n in part}, str(folder / file), metadata={"format": "pt"})
+    (folder / "model.safetensors").unlink()
+    (folder / mtp_folders.INDEX).write_text(json.dumps({"metadata": {}, "weight_map": {
+        n: file for file, part in half.items() for n in part}}))
+    trained = random_layers(mtp_config_from_target(llama.config), seed=9)
+    out = mtp_folders.stitch(trained, folder, tmp_path / "stitched")
+    index = json.loads((out / mtp_folders.INDEX).read_text())["weight_map"]
+    assert set(index) == set(names) and set(index.values()) == set(half)
+    loaded = mtp_folders.load_mtp(out)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in trained.state_dict().items())
+    back = mtp_folders.read_tensors(out, lambda n: ".mtp_layers." not in n)
+    assert all(torch.equal(back[n], tensors[n]) for n in back) and len(back) == len(names) - len(
+        mtp_folders.mtp_shapes(trained.config))
 
 
 def test_a_llama_folder_is_converted_with_a_grafted_layer(tmp_path):
