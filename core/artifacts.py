@@ -502,10 +502,10 @@ WRITES["demo"] = ("config.yaml", "demo_summary.json", "plan.json", *(f"{s}.done.
 def users_files_in_the_way(out: Path, stage: str) -> list[Path]:
     """The entries of `out` (a folder that is not `stage`'s own output) under names `stage` writes (WRITES), sorted;
     an empty folder among them is left out (replacing it loses nothing)."""
-    found = set()
+    found: set[Path] = set()
     for pattern in WRITES.get(stage, ()):
-        for path in glob.glob(glob.escape(str(out)) + "/" + pattern, include_hidden=True):
-            path = Path(path)
+        for name in glob.glob(glob.escape(str(out)) + "/" + pattern, include_hidden=True):
+            path = Path(name)
             if os.path.lexists(path) and not _is_empty_dir(path):
                 found.add(path)
     return sorted(found)

@@ -77,7 +77,8 @@ class CpuFeatures:
 
 def _cpuinfo() -> tuple[str, set[str]]:
     """(model name, flags) from /proc/cpuinfo; (platform's word, no flags) where there is none."""
-    model, flags = "", set()
+    model = ""
+    flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

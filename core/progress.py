@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 import time
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sized
 
 from tqdm import tqdm
 
@@ -44,7 +44,7 @@ class PlainProgress:
     def __init__(self, iterable: Optional[Iterable] = None, total: Optional[int] = None, desc: str = "",
                  unit: str = "it", initial: int = 0, interval: Optional[float] = None, file=None):
         self.iterable, self.desc, self.unit = iterable, desc, unit
-        if total is None and iterable is not None and hasattr(iterable, "__len__"):
+        if total is None and isinstance(iterable, Sized):
             total = len(iterable)
         self.total, self.n, self.start_n = total, initial, initial
         self.interval = _interval() if interval is None else interval
@@ -52,7 +52,7 @@ class PlainProgress:
         self.postfix = ""
         self.t0 = self.last = time.monotonic()
         self.closed = False
-        self.shown_n = None  # n of the last line printed
+        self.shown_n: Optional[int] = None  # n of the last line printed
         self._lock = threading.Lock()
         self._stop = threading.Event()
         if self.interval > 0:  # steady lines even when no update comes for a while

@@ -144,7 +144,8 @@ def check_compatible(state: dict, compat: dict, path: Path, layout: Optional[dic
 def rng_state() -> tuple[dict, dict]:
     """(JSON part: python + numpy, tensor part: torch)."""
     py = random.getstate()
-    np_state = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)  # (the default, named: numpy's stub types the call without it a dict)
+    assert isinstance(np_state, tuple)  # the legacy form, the global RandomState being an MT19937
     js = {"python": [py[0], list(py[1]), py[2]],
           "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])]}
     return js, {"torch": torch.get_rng_state()}

@@ -21,7 +21,7 @@ import random
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Generator, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -42,7 +42,7 @@ class TrainData:
     hidden: Optional[HiddenStates]
     manifest: dict
     indices: list[int]  # the dataset rows this split uses
-    topk: Optional[object] = None  # offline draft distillation: the data's top-k cache (data_gen/topk.py)
+    topk: Optional[TopkLogits] = None  # offline draft distillation: the data's top-k cache (data_gen/topk.py)
     pack_tokens: int = 0  # 0: right-padded micro-batches; N: conversations packed into rows of at most N tokens
 
     def lengths(self) -> list[int]:
@@ -260,7 +260,8 @@ def _pinned(device) -> bool:
 _END = object()
 
 
-def prefetch(data: TrainData, plan: Iterable[list[int]], device, depth: Optional[int] = None) -> Iterator[dict]:
+def prefetch(data: TrainData, plan: Iterable[list[int]], device,
+             depth: Optional[int] = None) -> Generator[dict, None, None]:
     """`collate(data, positions, device)` of each micro-batch of `plan` (micro_batch_plan), in order: a thread
     reads up to `depth` micro-batches ahead (the offline shards' rows included) into pinned memory when the
     device is CUDA; the copy to the device happens here, in the caller's thread. An error in the thread is

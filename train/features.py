@@ -58,7 +58,11 @@ class TargetHead:
             return TargetSide(torch.where(rows[..., None], full.probs, 0), torch.where(rows, full.in_mass, 0),
                               torch.where(rows, full.argmax, 0), full.argmax_in_draft & rows)
         if rows is not None:
-            part = self(last_hidden[rows], None, *((top[rows], lse[rows]) if top is not None else ()))
+            if top is not None:
+                assert lse is not None  # stored with top
+                part = self(last_hidden[rows], None, top[rows], lse[rows])
+            else:
+                part = self(last_hidden[rows], None)
             B, T = rows.shape
             probs = part.probs.new_zeros(B, T, part.probs.shape[-1])
             in_mass, argmax = part.in_mass.new_zeros(B, T), part.argmax.new_zeros(B, T)
@@ -71,6 +75,7 @@ class TargetHead:
         lse_draft = torch.logsumexp(draft_logits, dim=-1)
         probs = torch.softmax(draft_logits, dim=-1)
         if top is not None:  # stored: from the unrounded hidden state, so the draft part's mass is capped at 1
+            assert lse is not None  # stored with top
             in_draft = torch.isin(top, self.draft_ids)
             return TargetSide(probs, torch.exp(lse_draft - lse.float()).clamp(max=1.0), top.long(), in_draft)
         best_draft, best_draft_i = draft_logits.max(dim=-1)

@@ -78,6 +78,7 @@ def mix(weights: dict[str, float], logp: torch.Tensor, logq: torch.Tensor, sampl
         else:
             terms[name] = DIVERGENCES[name](logp, logq)
     total = sum(w * terms[name] for name, w in weights.items())
+    assert isinstance(total, torch.Tensor), "no loss term weighted"  # (sum's 0 for none)
     return total, terms
 
 

@@ -27,7 +27,8 @@ MUON_ADJUST_LR = "match_rms_adamw"  # Muon's update RMS matched to AdamW's, so A
 def split_for_muon(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(Muon's, AdamW's) trainable parameters: Muon takes the 2-D matrices with both sides > 1 that are not an
     embedding or an output head (speculators 0.9's rule); AdamW the rest (norms, lm_head, a [1, N] vector)."""
-    muon, adamw = [], []
+    muon: list[nn.Parameter] = []
+    adamw: list[nn.Parameter] = []
     for name, p in module.named_parameters():
         if not p.requires_grad:
             continue
@@ -45,7 +46,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def __init__(self, muon_params: list, adamw_params: list, *, lr: float, betas: tuple[float, float],
                  weight_decay: float, muon_lr: float, muon_momentum: float, muon_weight_decay: float):
-        self.parts = []  # the inner optimizers that have parameters
+        self.parts: list[torch.optim.Optimizer] = []  # the inner optimizers that have parameters
         if muon_params:
             self.parts.append(torch.optim.Muon(muon_params, lr=muon_lr, momentum=muon_momentum,
                                                weight_decay=muon_weight_decay, ns_steps=MUON_NS_STEPS,

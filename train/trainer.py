@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Optional
+from typing import Callable, Literal, Mapping, Optional, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -155,6 +155,21 @@ def deepspeed_config(cfg, world: int) -> dict:
     return conf
 
 
+class DeepSpeedEngine(Protocol):
+    """What the trainer calls on DeepSpeed's engine (deepspeed carries no type information)."""
+
+    def backward(self, loss: torch.Tensor) -> object: ...
+
+    def step(self) -> None: ...
+
+    def zero_optimization_stage(self) -> int: ...
+
+    def save_checkpoint(self, save_dir: str, tag: str, save_latest: bool) -> object: ...
+
+    def load_checkpoint(self, load_dir: str, tag: str, load_optimizer_states: bool,
+                        load_lr_scheduler_states: bool) -> object: ...
+
+
 @dataclass
 class Wrapped:
     """A module ready to train: forward / backward / step look the same for DeepSpeed and plain torch."""
@@ -163,7 +178,7 @@ class Wrapped:
     model: nn.Module  # what forward is called on: DeepSpeed engine, DDP or the module itself
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    engine: Optional[object]  # the DeepSpeed engine, or None
+    engine: Optional[DeepSpeedEngine]  # the DeepSpeed engine, or None
     grad_accum: int
     grad_clip: float
     _micro: int = 0
@@ -265,10 +280,13 @@ def load_checkpoint(w: Wrapped, path: Path, rank: int) -> None:
             w.engine.load_checkpoint(str(path / "deepspeed"), tag="state", load_optimizer_states=True,
                                      load_lr_scheduler_states=True)
     else:
-        w.module.drafter.load_state_dict(load_file(str(path / "head.safetensors")), strict=True)
+        w.module.get_submodule("drafter").load_state_dict(load_file(str(path / "head.safetensors")), strict=True)
         ckpt.load_optimizer(w.optimizer, path)
     w.scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
     ckpt.read_rng(path, rank)
+
+
+WandbMode = Literal["online", "offline", "disabled", "shared"]  # wandb.init's modes
 
 
 def wandb_mode(mode: str) -> str:
@@ -300,8 +318,9 @@ class Logger:
             try:
                 import wandb
 
-                self.run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name, mode=mode, dir=str(out),
-                                      config=config_dict, resume="allow")
+                # wandb checks the mode itself (a bad one: the warning below)
+                self.run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name, mode=cast(WandbMode, mode),
+                                      dir=str(out), config=config_dict, resume="allow")
             except Exception as e:  # noqa: BLE001 - deliberate, loudly reported fallback
                 first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
                 print(f"draftsmith train: warning: wandb (mode={mode}) did not start ({type(e).__name__}: {first[:200]}); "
@@ -338,6 +357,7 @@ def evaluate(w: Wrapped, data: TrainData, prepare: Callable, summarize: Callable
                 _, stats = w.module(**batch)
             total = stats if total is None else total + stats
     w.module.train()
+    assert total is not None, "no held-out rows to evaluate"
     return {f"val_{k}": v for k, v in summarize(total.cpu()).items()}  # one host read: summarize reads it row by row
 
 
@@ -390,6 +410,7 @@ def train_loop(w: Wrapped, cfg, data: TrainData, prepare: Callable, summarize: C
                 loss_sum += loss.detach().float()
                 tokens += batch["attention_mask"].sum()
                 stats_sum = stats if stats_sum is None else stats_sum + stats
+            assert stats_sum is not None  # grad_accum >= 1 micro-batches
             step += 1
             reduced = distributed.all_reduce(torch.cat([loss_sum[None], tokens[None], stats_sum.flatten()]))
             values = reduced.tolist()  # the step's one host sync
@@ -399,7 +420,7 @@ def train_loop(w: Wrapped, cfg, data: TrainData, prepare: Callable, summarize: C
                       "step_s": round(dt, 4), "tokens_per_s": round(values[1] / dt, 1),
                       **summarize(torch.tensor(values[2:], dtype=reduced.dtype).view(stats_sum.shape))}
             evaluated = val is not None and cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == total_steps)
-            if evaluated:
+            if evaluated and val is not None:
                 val_metrics = evaluate(w, val, prepare, summarize, cfg, world)
                 key = selection_key(cfg, val_metrics)
                 record.update(val_metrics)
