@@ -1,4 +1,5 @@
-"""The folders of a DFlash drafter: the one vLLM serves with `method: dflash`, and vLLM's speculators format.
+"""The folders of a DFlash drafter: the one vLLM serves with `method: dflash`, vLLM's speculators format, and the
+GGUF llama.cpp serves with `draft-dflash`.
 
     format=dflash       config.json: DFlashDraftModel, model_type qwen3 (vLLM reads it with AutoConfig), the
                         drafter's layer count and sizes, draft_vocab_size, every layer "full_attention" and
@@ -11,7 +12,6 @@
                         (a Qwen3 config with the layer count), block_size, aux_hidden_state_layer_ids,
                         mask_token_id, sliding_window_non_causal true (vLLM turns false into causal attention
                         for EVERY layer), sample_from_anchor false, speculators_config; the same tensors
-
     format=gguf         dflash.gguf for `llama-server -md ... --spec-type draft-dflash`, written by llama.cpp's own
                         converter (heads/folders.py `gguf_writer`) from the folder `dflash_for_gguf` prepares
 

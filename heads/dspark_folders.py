@@ -1,4 +1,5 @@
-"""The folder of a DSpark drafter: draftsmith's own (what `draftsmith train method=dspark` writes and eval loads).
+"""The folders of a DSpark drafter: draftsmith's own (what `draftsmith train method=dspark` writes and eval loads),
+the GGUF llama.cpp serves with `draft-dspark`, and speculators' format.
 
     format=dspark  config.json: DSparkDraftModel (a name llama.cpp's DSpark converter registers), the DFlash folder's
                    fields (heads/block_folders.py: the Qwen3 layer fields, draft_vocab_size, block_size,
@@ -10,7 +11,6 @@
                    model.safetensors: the DFlash tensors, markov_head.markov_w1.weight (V, r),
                    markov_head.markov_w2.weight (Vd, r), confidence_head.proj.weight (1, H + r),
                    confidence_head.proj.bias (1,)
-
     format=gguf    dspark.gguf for `llama-server -md ... --spec-type draft-dspark`: this very folder, converted by
                    llama.cpp's own DSpark converter (conversion/qwen.py DSparkModel, which registers
                    DSparkDraftModel) through heads/folders.py `gguf_writer`. It writes d2t as absolute target ids,
@@ -18,22 +18,20 @@
                    default is true) and `dflash.has_confidence_head` true. Its runtime (src/models/dflash.cpp
                    build_dspark_markov_head) drafts as eval/proposers/dspark.py does: slot 1's bias from the bonus
                    token, each later slot's from the argmax of the slot before, over the target vocabulary; the
-                   confidence is sigmoid(proj([norm(h_k); W1[prev_k]]) + b), and `--spec-draft-p-min` stops a draft
-                   where drafting.stop_below stops it. A drafter over the target's whole vocabulary is refused
-                   (block_folders.py `check_gguf_vocab`).
+                   confidence is sigmoid(proj([norm(h_k); W1[prev_k]])), and `--spec-draft-p-min` stops a draft
+                   before the first slot whose confidence is below it, drafting.stop_below's rule (the engine
+                   check, tests/test_engine_llamacpp_block.py, runs at 0, where neither stops). A drafter over the
+                   target's whole vocabulary is refused (block_folders.py `check_gguf_vocab`).
+    format=speculators  speculators 0.9's DSparkSpeculator (`speculators_model_type: "dspark"`): speculators'
+                   DFlash config (heads/dflash_folders.py: transformer_layer_config, block_size,
+                   aux_hidden_state_layer_ids, mask_token_id, sample_from_anchor false, ...) plus markov_rank and
+                   the head fields above; the tensors of format=dspark under the same names (speculators'
+                   DSparkDraftModel holds markov_head.markov_w1 / markov_w2 and confidence_head.proj, fed
+                   [norm(h_k); W1[prev_k]] as ours). Written, not read back (FOREIGN_ARCHITECTURES).
 
 Written atomically (heads/folders.py `write_head_folder`); loading reads safetensors only, checks every tensor's
 name, shape and dtype, and refuses in one sentence a folder that says another layout or head than the drafter
-computes.
-
-    format=speculators  speculators 0.9's DSparkSpeculator (`speculators_model_type: "dspark"`): speculators' DFlash
-                   config (heads/dflash_folders.py: transformer_layer_config, block_size, aux_hidden_state_layer_ids,
-                   mask_token_id, sample_from_anchor false, ...) plus markov_rank and the head fields above; the
-                   tensors of format=dspark under the same names (speculators' DSparkDraftModel holds
-                   markov_head.markov_w1 / markov_w2 and confidence_head.proj, fed [norm(h_k); W1[prev_k]] as ours).
-                   Written, not read back (FOREIGN_ARCHITECTURES: give the DSpark folder it was exported from).
-
-DeepSpec's Qwen3DSparkModel folder for vLLM is not written yet.
+computes. DeepSpec's Qwen3DSparkModel folder for vLLM is not written yet.
 """
 
 from __future__ import annotations
