@@ -188,6 +188,7 @@ def new_draft(target, cfg: DraftConfig, train, resume: Optional[Path]) -> DraftL
                               f"rerun data-gen with topk_temperature={cfg.temperature}.")
     lora = lora_kwargs(cfg)
     if cfg.init == "from_model":
+        assert cfg.model is not None  # DraftConfig refuses init=from_model without it
         return draft_from_model(cfg.model, target, lora, cfg.train_embeddings)
     if cfg.init == "scratch":
         sizes = {"num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,

@@ -180,6 +180,7 @@ def warm_start(target, cfg: DSparkConfig) -> DSparkHead:
     """A drafter whose backbone is the DFlash head folder `cfg.init` (every tensor checked; embed_tokens the target's
     when the folder has none), its shape the folder's; the Markov and confidence heads new. Refused in one sentence
     when the folder is another method's, was made for another target, or its shape differs from the options."""
+    assert cfg.init is not None  # (new_dspark's condition)
     folder = Path(cfg.init)
     raw = read_config_json(folder) if folder.is_dir() else {}
     if DFLASH_ARCHITECTURE not in (raw.get("architectures") or []):

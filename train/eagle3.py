@@ -122,16 +122,18 @@ def ttt_spans(valid: torch.Tensor, steps: int, document_ids: Optional[torch.Tens
     keys cover the next step's queries. Indices before the first loss-masked position (a prompt) are
     computed only as step-0 keys: that is the saving. Two host syncs per step: the CPU path's."""
     B, T = valid.shape
-    spans, need = [], torch.zeros(T, dtype=torch.bool, device=valid.device)
+    found: list[Optional[tuple[int, int]]] = []  # per step, from the last: its range, None when empty
+    need = torch.zeros(T, dtype=torch.bool, device=valid.device)
     for k in range(steps, 0, -1):  # need_i = need_{i+1} | the targets of step i (k = 1 + i)
         need = need | counted_targets(valid, k, document_ids).any(0)
         where = torch.nonzero(need).squeeze(1)
-        spans.append((int(where[0]), int(where[-1]) + 1) if where.numel() else None)
-    spans.reverse()
+        found.append((int(where[0]), int(where[-1]) + 1) if where.numel() else None)
+    found.reverse()
+    spans: list[tuple[int, int]] = []
     lo = 0
-    for i, span in enumerate(spans):  # an empty step: an empty range inside the previous one
-        spans[i] = span if span is not None else (lo, lo)
-        lo = spans[i][0]
+    for span in found:  # an empty step: an empty range inside the previous one
+        spans.append(span if span is not None else (lo, lo))
+        lo = spans[-1][0]
     return spans
 
 
@@ -261,7 +263,9 @@ def ttt_hidden(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Tensor,
     build_mask, kernel = ATTENTION[attention]
     step0_mask = build_mask(attention_mask, document_ids, end)
     x0 = torch.cat([emb[:, :end], layer.hidden_norm(hidden[:, :end])], dim=-1)  # step 0's input, (B, end, 2H)
-    keys, values, los = [], [], []
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    los: list[int] = []
     prev_lo = 0
     for i, (lo, hi) in enumerate(spans):
         h_in = hidden[:, lo - prev_lo:hi - prev_lo]  # this range of the previous step's output (or of fc(f))
@@ -288,7 +292,11 @@ def ttt_step(head: Eagle3Head, i: int, h_in: torch.Tensor, emb: torch.Tensor, co
     layer = head.midlayer
     if i > 0 and head.norm_output:
         h_in = head.norm(h_in)  # what the previous step hands on with norm_output (vLLM's aux_output)
-    x = x0[:, lo:lo + h_in.shape[1]] if i == 0 else torch.cat([emb, layer.hidden_norm(h_in)], dim=-1)  # (B, n, 2H)
+    if i == 0:
+        assert x0 is not None  # step 0's input, given to step 0
+        x = x0[:, lo:lo + h_in.shape[1]]  # (B, n, 2H)
+    else:
+        x = torch.cat([emb, layer.hidden_norm(h_in)], dim=-1)  # (B, n, 2H)
     attn, k, v = ttt_attention(layer.self_attn, x, cos, sin, mask, kernel, keys, values, los, lo, x0, cos0, sin0)
     h = h_in + attn
     return h + layer.mlp(layer.post_attention_layernorm(h)), k, v
@@ -307,7 +315,11 @@ def ttt_attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, m
     B, T, _ = x.shape
     nh, nkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
     q = attn.q_proj(x).view(B, T, nh, d).transpose(1, 2)  # (B, nh, T, d)
-    kv_in, kv_cos, kv_sin = (x0, cos0, sin0) if x0 is not None else (x, cos, sin)
+    if x0 is not None:
+        assert cos0 is not None and sin0 is not None  # given with x0
+        kv_in, kv_cos, kv_sin = x0, cos0, sin0
+    else:
+        kv_in, kv_cos, kv_sin = x, cos, sin
     k = attn.k_proj(kv_in).view(B, -1, nkv, d).transpose(1, 2)  # (B, nkv, T or end, d)
     v = attn.v_proj(kv_in).view(B, -1, nkv, d).transpose(1, 2)
     q = q * cos[:, None] + rotate_half(q) * sin[:, None]

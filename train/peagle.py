@@ -119,8 +119,8 @@ def sample_slots(valid: torch.Tensor, depths: int, r: float, r_min: float,
     anchor = torch.zeros(B, N, dtype=torch.long)
     depth = torch.zeros(B, N, dtype=torch.long)
     real = torch.zeros(B, N, dtype=torch.bool)
-    for b, (a, d) in enumerate(rows):
-        anchor[b, : a.numel()], depth[b, : d.numel()], real[b, : a.numel()] = a, d, True
+    for b, (a, lv) in enumerate(rows):
+        anchor[b, : a.numel()], depth[b, : lv.numel()], real[b, : a.numel()] = a, lv, True
     return Slots(anchor, depth, real)
 
 

@@ -197,7 +197,7 @@ def run(cfg: TrainConfig) -> dict:
     drafter = method.new_drafter(target, cfg.method, train, resume).to(cfg.device)
     step_module, prepare = method.training(drafter, target, cfg.method, mode, lambda: autocast(trainer))
     if mode == "offline":
-        target = None  # what training needs of the target (its lm_head rows) lives on in `prepare`
+        del target  # what training needs of the target (its lm_head rows) lives on in `prepare`
 
     # wrap
     w = wrap_for_training(step_module, trainer, world, total_steps)
