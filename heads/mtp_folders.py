@@ -138,7 +138,7 @@ def config_of(config: dict, where: Path):
     engine_arch = config.get("target_architecture", arch) if arch == MTP_ARCHITECTURE else arch
     hidden, fusion = ENGINE_INPUTS.get(engine_arch, (None, None))
     hidden, fusion = config.get("mtp_hidden", hidden), config.get("mtp_fusion", fusion)
-    if hidden is None:
+    if hidden is None or fusion is None:
         raise DraftsmithError(f"{where / CONFIG}: no engine input is known for architecture {engine_arch!r} "
                               f"(draftsmith reads MTP layers of {', '.join(ENGINE_INPUTS)}).")
     fields = {k: config[k] for k in required[:-1]}
