@@ -24,10 +24,12 @@ position ids.
 from __future__ import annotations
 
 from collections import deque
+from typing import Optional
 
 import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from draftsmith.core import DraftsmithError
 from draftsmith.core.sampling import process_logits
@@ -126,6 +128,7 @@ def prefill_group(model, cache: RowCache, rows: list[int], prompts: list[list[in
     out = model(input_ids=input_ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
                 cache=alone, use_cache=True, logits_to_keep=torch.tensor([T - 1], device=device))
     for layer, kv in enumerate(alone.layers):
+        assert isinstance(kv, DynamicLayer) and kv.keys is not None and kv.values is not None  # full layers, filled
         for j, (row, p) in enumerate(zip(rows, prompts)):
             cache.write_row(layer, row, kv.keys[j, :, T - len(p):], kv.values[j, :, T - len(p):])
     return out.logits[:, -1]
@@ -157,7 +160,7 @@ def generate_tokens(target, prompts: list[list[int]], params, seeds: list[int], 
     tokens = [0] * rows  # row -> its next input token
     answers: dict[int, list[int]] = {}
     generators: dict[int, torch.Generator] = {}
-    logits = None  # (rows, V): each row's next-token logits
+    logits: Optional[torch.Tensor] = None  # (rows, V): each row's next-token logits
     with tqdm(total=None, desc=desc, unit="tok", leave=False, disable=None) as bar:
         while True:
             idle = [r for r in range(rows) if slot[r] is None]
@@ -175,17 +178,19 @@ def generate_tokens(target, prompts: list[list[int]], params, seeds: list[int], 
                 # nothing waits: a quarter of the rows are idle, drop them (a copy of the cache, so not at every finish)
                 live = [r for r in range(rows) if slot[r] is not None]
                 cache.keep(torch.tensor(live, device=device))
+                assert logits is not None  # the live rows were prefilled
                 logits = logits[live]
-                slot, pos, tokens = ([xs[r] for r in live] for xs in (slot, pos, tokens))
+                slot, pos, tokens = [slot[r] for r in live], [pos[r] for r in live], [tokens[r] for r in live]
                 rows = len(live)
             live = [r for r in range(rows) if slot[r] is not None]
             if not live:
                 break
+            assert logits is not None  # the live rows were prefilled
+            live_prompts = [i for i in slot if i is not None]  # each live row's prompt, in the order of `live`
             new = sample_next(logits[live] if len(live) < rows else logits, params,
-                              [generators[slot[r]] for r in live]).tolist()
+                              [generators[i] for i in live_prompts]).tolist()
             bar.update(len(live))
-            for r, t in zip(live, new):
-                i = slot[r]
+            for r, i, t in zip(live, live_prompts, new):
                 ended = "stop" if t in eos else None
                 if ended is None:
                     answers[i].append(t)

@@ -127,7 +127,7 @@ def finished_shards(folder: Path, header: dict) -> dict[int, dict]:
 
     Anything else (no index, a corrupt one, a missing, truncated or corrupted shard) is recomputed.
     """
-    done = {}
+    done: dict[int, dict] = {}
     for path in [folder / INDEX, *sorted(folder.glob(RANK_INDEX.replace("{:05d}", "*")))]:
         for s, entry in _entries(path, folder, header).items():
             done.setdefault(s, entry)

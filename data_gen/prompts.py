@@ -232,7 +232,9 @@ def self_prompts(target, cfg: PromptsConfig, filters=None, dropped: Optional[dic
     params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_prompt_tokens)
     check = PromptFilter(filters) if filters is not None and filters.prompts else None
     kinds = list(cfg.kinds) if cfg.kinds else None
-    seen, samples, attempt = set(), [], 0
+    seen: set[str] = set()
+    samples: list[dict] = []
+    attempt = 0
     with progress(total=n, desc="self prompts", unit="prompt") as bar:
         while len(samples) < n and attempt < max_attempts:
             batch = min(max(n - len(samples), 8), max_attempts - attempt, 64)

@@ -139,7 +139,7 @@ def remove_parts(out: Path) -> None:
 def progress_signs(out: Path, world: int, regenerated: Path) -> tuple:
     """What changes while some rank works (folder times change as files are renamed into them):
     regeneration chunks written, parts written, the merge's temporary folders in out/."""
-    signs = []
+    signs: list[int | None] = []
     for folder in (regenerated, out / PARTS, out, *(part_folder(out, r) for r in range(world))):
         try:
             signs.append(folder.stat().st_mtime_ns)

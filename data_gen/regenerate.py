@@ -259,7 +259,7 @@ def _bound_by_deadline(client) -> bool:
     for transport in [client._transport, *getattr(client, "_mounts", {}).values()]:
         pool = getattr(transport, "_pool", None)
         backend = getattr(pool, "_network_backend", None)
-        if backend is not None:
+        if pool is not None and backend is not None:  # (a backend comes from a pool)
             if not isinstance(backend, _DeadlineBackend):
                 pool._network_backend = _DeadlineBackend(backend)
             done = done or transport is client._transport
@@ -368,8 +368,8 @@ class OpenAIBackend:
             raise DraftsmithError(f"{where} answered text that is not JSON ({_snippet(r.text, 80)!r}); backend.url must be "
                                   f"the server's OpenAI base URL (usually ending in /v1), or {skip}.") from None
         listed = obj.get("data") if isinstance(obj, dict) else None
-        names = [m.get("id") for m in listed if isinstance(m, dict)] if isinstance(listed, list) else []
-        names = [m for m in names if isinstance(m, str) and m]
+        ids = [m.get("id") for m in listed if isinstance(m, dict)] if isinstance(listed, list) else []
+        names = [m for m in ids if isinstance(m, str) and m]
         if not names:
             raise DraftsmithError(f"the server at {self.url} lists no model ({where} answered "
                                   f"{_snippet(r.text, 80)!r}); {skip}.")
@@ -461,7 +461,7 @@ def regenerate_all(samples: list[dict], backend, seed: int, bar=None, errors: di
     history: list[list[dict] | None] = [[] for _ in samples]
     for turn in range(max((len(s) for s in segments), default=0)):
         live = [i for i, s in enumerate(segments) if turn < len(s) and history[i] is not None]
-        convs = [history[i] + segments[i][turn] for i in live]
+        convs = [h + segments[i][turn] for i in live if (h := history[i]) is not None]  # (every live one's is set)
         seeds = [hash_seed(seed, samples[i]["id"], turn) for i in live]
         last = [turn == len(segments[i]) - 1 for i in live]
         done = None if bar is None else (lambda j, last=last: bar.update(1) if last[j] else None)  # this turn's `last`

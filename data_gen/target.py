@@ -146,7 +146,10 @@ class Target:
         self.tokenizer = tokenizer
         self.target_id = target_id
         self.target_hash = target_hash
-        cfg = config if config is not None else model.config
+        if config is None:
+            assert model is not None  # (refused above)
+            config = model.config
+        cfg = config
         self.num_layers: int = cfg.num_hidden_layers
         self.hidden_size: int = cfg.hidden_size
         self.vocab_size: int = cfg.vocab_size
@@ -166,6 +169,7 @@ class Target:
         if self._model is None:
             self._set_model(self._load_model())
             self._load_model = None
+        assert self._model is not None  # (set just above)
         return self._model
 
     @property
@@ -274,10 +278,12 @@ def load_target(cfg: TargetConfig, lazy: bool = False,
 def _generation_config(name: str | os.PathLike, revision: Optional[str] = None):
     """The generation config from_pretrained gives a model: generation_config.json, else config.json."""
     try:
-        return GenerationConfig.from_pretrained(name, revision=revision)
+        # transformers types revision as a str, while None (the repo's default branch, not "main" by name) is what it
+        # resolves when none is given (utils/hub.py resolve_revision)
+        return GenerationConfig.from_pretrained(name, revision=revision)  # type: ignore[arg-type]
     except OSError:
-        return GenerationConfig.from_pretrained(name, revision=revision, config_file_name="config.json",
-                                                _from_model_config=True)
+        return GenerationConfig.from_pretrained(name, revision=revision,  # type: ignore[arg-type]
+                                                config_file_name="config.json", _from_model_config=True)
 
 
 TARGET_CODE_FIX = ("draftsmith runs it only with target.trust_remote_code=true: pass that only if you have read and "
@@ -450,7 +456,8 @@ def tiny_tokenizer():
 def tiny_model_config(vocab_size: int, num_layers: int = 8, hidden_size: int = 64):
     return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       max_position_embeddings=2048, rms_norm_eps=1e-5,
+                       rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},  # (what rope_theta=10000 gives)
                        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 

@@ -41,7 +41,8 @@ def bytes_per_token(k: int) -> int:
 
 
 @torch.no_grad()
-def topk_batch(target, batch: list[list[int]], k: int, temperature: float) -> list[tuple[torch.Tensor, ...]]:
+def topk_batch(target, batch: list[list[int]], k: int,
+               temperature: float) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(ids (T, k) int32, logp (T, k) float32, tail (T,) float32) per sequence, one right-padded forward."""
     T = max(len(x) for x in batch)
     input_ids = torch.full((len(batch), T), target.tokenizer.pad_token_id, dtype=torch.long)
@@ -141,7 +142,7 @@ class TopkLogits:
             if not path.is_file() or path.stat().st_size != e["bytes"]:
                 raise DraftsmithError(f"the top-k shard {path} is missing or truncated; rerun data-gen with the same "
                                       f"settings on that folder to recapture it.")
-        self._open = {}
+        self._open: dict[str, safe_open] = {}  # shard file -> its open handle
         self._safe_open = safe_open
 
     def __len__(self) -> int:
