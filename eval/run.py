@@ -382,9 +382,9 @@ def cost_report(setup: Setup, drafter: Drafter, samples: dict[str, list[metrics.
                          "formula": "speedup(K) = (P_target + N t_step) / (P_spec + N / tau(K) * (t_verify(K+1) + "
                                     "t_draft(K))), t_step and t_verify from the decode's own clock"}
     # what the target's dtype costs here, measured (not assumed): one verification of K+1 tokens, in decode steps
+    # (the cost table's row at K: the decode's own clock, as the prediction reads it)
     k = d.num_speculative_tokens
-    verify = measured["verify_s"].get(str(k + 1))
-    ratio = verify / measured["step_s"] if verify is not None and measured["step_s"] else None
+    ratio = next((r["verify_over_step"] for r in table if r["k"] == k and r["verify_tokens"] == k + 1), None)
     out["target_dtype_cost"] = {"dtype": str(setup.target.model.dtype).replace("torch.", ""), "k": k,
                                 "verify_tokens": k + 1, "verify_over_step": ratio}
     out["k_sweep"] = rows
