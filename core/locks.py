@@ -38,7 +38,8 @@ def pid_alive(pid: int) -> bool:
 def claim_file(path: Path) -> Path | None:
     """Create `path` (pid, host) atomically; None when another live process holds it. A file left by a
     dead process of this host is taken over (one on another host cannot be checked: it is respected)."""
-    me = {"pid": os.getpid(), "host": socket.gethostname()}
+    my_host = socket.gethostname()
+    me = {"pid": os.getpid(), "host": my_host}
     for _ in range(3):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -51,8 +52,8 @@ def claim_file(path: Path) -> Path | None:
             except (ValueError, KeyError, TypeError):  # being written, or its writer died before writing it
                 if time.time() - path.stat().st_mtime < 10:
                     return None
-                pid, host = -1, me["host"]
-            if host == me["host"] and (pid <= 0 or not pid_alive(pid)):
+                pid, host = -1, my_host
+            if host == my_host and (pid <= 0 or not pid_alive(pid)):
                 path.unlink(missing_ok=True)
                 continue
             return None
