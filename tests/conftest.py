@@ -220,7 +220,8 @@ ENGINE_HEADS = {
     # block_size = K + 1 of test_engine_vllm_dflash.py
     "dflash": ["method=dflash", "epochs=16", "method.num_layers=2", "method.block_size=4",
                "method.draft_vocab_size=8192"],
-    # DFlash's shape plus the Markov and confidence heads (test_engine_llamacpp_block.py)
+    # DFlash's shape plus the Markov and confidence heads (test_engine_llamacpp_block.py: its Markov control needs a
+    # Markov head that changes drafts; with rank 64 it moved one acceptance in 128 drafts, 2026-12-06)
     "dspark": ["method=dspark", "epochs=16", "method.num_layers=2", "method.block_size=4",
                "method.draft_vocab_size=8192"],
     # EAGLE-3.1: all three norms on (test_engine_vllm_eagle31.py)
