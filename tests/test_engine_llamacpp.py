@@ -13,7 +13,8 @@ draftsmith's target-only, or leaves it only at a near-tie (the target's top-2 lo
 there: llama.cpp is not batch-invariant, its F32 kernels sum K+1 rows in another order than one, and a
 verification flipped a 0.0067-logit tie on 2026-12-05); llama.cpp's τ and per-position acceptance (its counters,
 pooled over every verification with a draft of the prompts left identical) equal the built-in decoder's counted the
-same way within TOLERANCE (0.02). A broken copy (d2t zeroed, aux layers shifted) must fail the τ check.
+same way within TOLERANCE (0.02). A broken copy (d2t zeroed with the draft rows reversed, aux layers shifted) must
+fail the τ check.
 """
 
 from __future__ import annotations
@@ -49,6 +50,18 @@ HEADS = ("eagle3", "draft")  # the methods llama.cpp serves from our folders
 BROKEN = ("eagle3_d2t_zeroed", "eagle3_aux_layers_shifted")
 
 
+def d2t_zeroed_in_reverse_order(tensors: dict) -> dict:
+    """d2t zeroed in the same head with its draft rows reversed (lm_head's rows and d2t re-indexed alike are the same
+    function; d2t is then zeroed, so that row i names target token i). SmolLM2's BPE ids run roughly by frequency:
+    the engine heads' 8192-token draft vocabulary is ids 0..8113 plus 78 others, so its own d2t is already 0 on 8114
+    rows, and zeroing it moves only drafts of the 78 (the DSpark control of tests/test_engine_llamacpp_block.py did
+    not move τ that way on 2026-12-06). Reversed, no row's offset is 0."""
+    vd = tensors["d2t"].numel()
+    order = torch.arange(vd - 1, -1, -1)
+    return tensors | {"lm_head.weight": tensors["lm_head.weight"][order].contiguous(),
+                      "d2t": torch.zeros_like(tensors["d2t"])}
+
+
 @pytest.fixture(scope="module")
 def ggufs(llamacpp_ready, engine_head, smollm2_target, tmp_path_factory):
     """name -> GGUF file: each head's `export format=gguf gguf_outtype=f32`, the broken copies, and the F32 target."""
@@ -72,8 +85,7 @@ def ggufs(llamacpp_ready, engine_head, smollm2_target, tmp_path_factory):
             save_file(tensors(load_file(dst / "model.safetensors")), str(dst / "model.safetensors"))
         return llamacpp.convert(dst, root / f"{name}.gguf", "f32", target_dir)
 
-    out["eagle3_d2t_zeroed"] = broken("eagle3_d2t_zeroed",
-                                      tensors=lambda s: s | {"d2t": torch.zeros_like(s["d2t"])})
+    out["eagle3_d2t_zeroed"] = broken("eagle3_d2t_zeroed", tensors=d2t_zeroed_in_reverse_order)
     out["eagle3_aux_layers_shifted"] = broken("eagle3_aux_layers_shifted",
                                               {"eagle_aux_hidden_state_layer_ids": [3, 16, 28]})  # 2, 15, 27 + 1
     out["target_f32"] = ll.target_gguf(smollm2_target, "f32")
