@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -133,8 +134,6 @@ def openmp_preload(python: Optional[Path], current: str = "") -> Optional[str]:
     idle the slice took 38 s against 44 s, and once beside one 1-thread torch loop 97 s against 98 s (one pair each).
     vLLM reads the preload and sets KMP_AFFINITY / KMP_BLOCKTIME for its own engine-core processes
     (vllm/utils/ompmultiprocessing.py)."""
-    import platform
-
     if python is None or platform.machine().lower() not in ("x86_64", "amd64"):
         return None
     if any(name in current for name in OPENMP_RUNTIMES):
