@@ -145,7 +145,7 @@ def openmp_preload(python: Optional[Path], current: str = "") -> Optional[str]:
     return f"{lib}:{current}" if current.strip() else str(lib)  # the user's entries (e.g. tcmalloc) kept after it
 
 
-def run_job(job: dict, timeout_s: float = 3600, log_path: Optional[Path] = None, worker: Path = WORKER,
+def run_job(job: dict, timeout_s: Optional[float] = 3600, log_path: Optional[Path] = None, worker: Path = WORKER,
             env: Optional[dict[str, str]] = None) -> dict:
     """Run `job` in the engine's python with `worker` (vllm_worker.py, or data-gen's vllm_generate.py: the job in
     its format); the worker's result, with `log` = the log file. `env`: variables set for the engine on top of

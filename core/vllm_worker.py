@@ -50,14 +50,14 @@ def counters(llm) -> dict:
     """vLLM's spec-decode counters now (summed over label sets); per position as a list."""
     from vllm.v1.metrics.reader import Counter, Vector
 
-    out = {name: 0 for name in COUNTERS}
-    out[PER_POS] = []
+    totals = {name: 0 for name in COUNTERS}
+    per_position: list[int] = []
     for m in llm.get_metrics():
         if isinstance(m, Counter) and m.name in COUNTERS:
-            out[m.name] += int(m.value)
+            totals[m.name] += int(m.value)
         elif isinstance(m, Vector) and m.name == PER_POS:
-            out[PER_POS] = add_positions(out[PER_POS], [int(v) for v in m.values])
-    return out
+            per_position = add_positions(per_position, [int(v) for v in m.values])
+    return {**totals, PER_POS: per_position}
 
 
 def add_positions(a: list[int], b: list[int], sign: int = 1) -> list[int]:
@@ -128,6 +128,7 @@ def decode(llm, job: dict, prompts: list[list[int]], record: bool) -> tuple[list
             t0 = time.perf_counter()
             out = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)[0]
             times.append(time.perf_counter() - t0)
+        assert out is not None  # repeats >= 1
         completion = out.outputs[0]
         tokens.append(list(completion.token_ids))
         seconds.append(statistics.median(times))
@@ -234,7 +235,7 @@ def kernel_overrides_once() -> None:
     except ImportError:  # not vLLM for CPU (a GPU build, the tests' stand-in): it registers no such stand-ins
         return
     register = CpuPlatform.register_triton_kernel_overrides  # a classmethod, bound to the class
-    done = []
+    done: list[bool] = []
 
     def once(cls) -> None:
         if not done:

@@ -60,7 +60,7 @@ def speculative_config(method: str, engines: Engines, head: Optional[str], k: in
 
 def engine_runs(cfg, drafter, k: int) -> list[dict]:
     """The job's runs for an eval: target-only, the head at K and at each sweep_k, and the ngram baseline."""
-    runs = [{"name": TARGET_ONLY, "speculative_config": None}]
+    runs: list[dict[str, Any]] = [{"name": TARGET_ONLY, "speculative_config": None}]
     if drafter.make is None:
         return runs
     head = drafter.info.get("path")
@@ -154,6 +154,7 @@ def agreement(samples: list[metrics.Sample], run: dict, k: int, tolerance: float
     if detailed:  # per prompt, the steps both sides had less the last of them (vLLM may have one more: steps_identical)
         ours_cut, theirs_cut = [], []
         for s, st in zip(samples, steps):
+            assert st is not None  # `detailed`
             b = builtin_steps(s)
             n = max(min(len(b), len(st)) - 1, 0)
             ours_cut += b[n:]
@@ -211,9 +212,8 @@ def engine_report(setup, drafter, samples: dict[str, list[metrics.Sample]], repo
     section["target_only_identical_to_builtin"] = fraction_equal(engine_base["tokens"], [s.tokens for s in base])
     for run in runs[1:]:
         got = result["runs"][run["name"]]
-        builtin_name = run["name"] if run["name"] in samples else None
-        section["runs"][run["name"]] = run_section(run, got, samples.get(builtin_name), engine_base, base_tps,
-                                                   base)
+        builtin = samples.get(run["name"])  # None: the built-in decoder did not run it
+        section["runs"][run["name"]] = run_section(run, got, builtin, engine_base, base_tps, base)
         if run["speculative_config"]["method"] == "ngram" and cfg.ngram_match != "earliest":
             section["runs"][run["name"]]["note"] = ("the built-in n-gram copies after the latest match, vLLM's after "
                                                     "the earliest: ngram_match=earliest counts as vLLM does")
@@ -223,7 +223,7 @@ def engine_report(setup, drafter, samples: dict[str, list[metrics.Sample]], repo
     if main is not None and main.get("loaded"):
         section.update({k: main[k] for k in ("tau", "per_position_acceptance", "speculative_tokens_per_s", "speedup",
                                              "greedy_identical_to_engine_target_only", "agreement")})
-    out = {"engine": section}
+    out: dict[str, Any] = {"engine": section}
     rec = engine_recommendation(section, drafter, setup, report, target_model)
     if rec is not None:
         out["builtin_recommendation"] = report.get("recommendation")
