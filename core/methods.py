@@ -89,11 +89,18 @@ class Method:
 
     @property
     def heads(self) -> Folders:
-        return self.folders()  # type: ignore[return-value]
+        return self.folders()
 
     @property
     def train(self) -> Optional[Training]:
-        return self.training_module() if self.training_module is not None else None  # type: ignore[return-value]
+        return self.training_module() if self.training_module is not None else None
+
+    def trainable(self) -> Training:
+        """The training hooks; a method without them cannot be trained (one sentence)."""
+        if self.training_module is None:
+            raise DraftsmithError(f"method={self.name!r} cannot be trained; the trainable methods are "
+                                  f"{', '.join(trainable())}.")
+        return self.training_module()
 
     # what the stages read
     @property
@@ -147,15 +154,15 @@ class Method:
 
     @property
     def new_drafter(self) -> Callable:
-        return self.train.new_drafter
+        return self.trainable().new_drafter
 
     @property
     def training(self) -> Callable:
-        return self.train.training
+        return self.trainable().training
 
     @property
     def summarize(self) -> Callable:
-        return self.train.summarize
+        return self.trainable().summarize
 
     @property
     def offline_data(self) -> str:
