@@ -126,7 +126,7 @@ ROWS = (
     # MTP: the target's own multi-token-prediction layer (a MiMo folder's, or one grafted on), fine-tuned and stitched
     # back into a copy of the target (export format=mimo); vLLM serves that folder as the model with method mtp
     Method("mtp", folders=_mtp_folders, proposers=_mtp_proposers, training_module=_mtp_training,
-           engines=Engines(vllm="mtp")),
+           engines=Engines(vllm="mtp", in_target=True)),
     # the catch-all (ARCHITECTURES = ()): any HF causal-LM folder is evaluated as a draft model
     Method("draft", folders=_draft_folders, proposers=_draft_proposers, training_module=_draft_training,
            engines=Engines(vllm="draft_model", sglang="STANDALONE", llamacpp="draft-simple")),

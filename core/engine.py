@@ -40,6 +40,9 @@ class Engines:
     vllm_options: tuple[tuple[str, Any], ...] = ()  # further --speculative-config keys, as (key, value) pairs
     draft_folder: bool = True  # the engines load the method's folder as the draft (False: prompt lookup, no folder)
     llamacpp: Optional[str] = None  # llama-server --spec-type (its GGUF from export format=gguf); None: no loader
+    # the drafter is a layer inside the target's own folder (MTP, stitched back by export): the engines serve that
+    # folder as the model and take no draft path
+    in_target: bool = False
 
 
 # K, the number of drafted tokens per cycle: the one default of eval (drafting.num_speculative_tokens), export and

@@ -204,17 +204,20 @@ def serving_settings(method: str, engines: Engines, target_model: str, head_path
     out: dict = {"k": k, "mode": mode}
     model = head_path or "<head folder>"
     sep = " \\\n    " if line_break else " "
+    served = model if engines.in_target else target_model  # MTP: the stitched target folder is the model
     if engines.vllm is None:
         out["vllm"] = {"config": None, "command": None, "note": f"vLLM has no speculative method for {method!r}."}
     else:
         spec: dict = {"method": engines.vllm}
-        if engines.draft_folder:
+        if engines.in_target:
+            spec.update(num_speculative_tokens=k)
+        elif engines.draft_folder:
             spec.update(model=model, num_speculative_tokens=k)
         else:  # prompt lookup: no draft folder, the n-gram sizes instead
             spec.update(num_speculative_tokens=k, prompt_lookup_min=ngram_min, prompt_lookup_max=ngram_max)
         spec.update(engines.vllm_options)
         text = json.dumps(spec)
-        out["vllm"] = {"config": spec, "command": f"vllm serve {target_model}{sep}--speculative-config '{text}'"}
+        out["vllm"] = {"config": spec, "command": f"vllm serve {served}{sep}--speculative-config '{text}'"}
     if engines.sglang is None:
         out["sglang"] = {"flags": None, "command": None,
                          "note": f"SGLang has no speculative algorithm for {method!r}; serve it with vLLM."}

@@ -48,6 +48,11 @@ def test_every_row_says_what_the_engines_call_it():
     assert rows["peagle"].engines.llamacpp is None  # llama.cpp has no P-EAGLE graph
     assert rows["dflash"].engines == Engines(vllm="dflash", llamacpp="draft-dflash")
     assert rows["dspark"].engines == Engines(vllm="dspark", llamacpp="draft-dspark")  # vLLM: on a GPU only
+    # MTP: vLLM serves the stitched target folder itself, with no draft model in its speculative config
+    mtp = serving_settings("mtp", rows["mtp"].engines, "org/target", "runs/stitched", 3)["vllm"]
+    assert mtp["config"] == {"method": "mtp", "num_speculative_tokens": 3}
+    assert mtp["command"] == "vllm serve runs/stitched --speculative-config '{\"method\": \"mtp\", " \
+                             "\"num_speculative_tokens\": 3}'"
     x = types.ModuleType("x")
     assert methods.Method("x", folders=lambda: x, proposers=lambda: x).engines.vllm is None  # serves nowhere by default
 
