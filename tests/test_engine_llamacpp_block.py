@@ -39,6 +39,7 @@ from conftest import ENGINE_K
 
 from draftsmith.configs import compose
 from draftsmith.core import engine, llamacpp
+from draftsmith.core.methods import methods
 from draftsmith.eval import engine_llamacpp as ll
 from draftsmith.eval.engine_vllm import TARGET_ONLY
 from draftsmith.eval.target_runner import TargetRunner
@@ -49,15 +50,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(3600)]
 K = ENGINE_K
 MAX_TOKENS = 48
 FP32_NEAR_TIE = 0.05  # logits: as tests/test_engine_llamacpp.py (an F32 llama.cpp leaves F32 target-only only there)
-# llama-server's spec type of each export (commands/methods.py has no llama.cpp row for them yet)
-SPEC_TYPES = {"dflash": "draft-dflash", "dspark": "draft-dspark"}
-HEADS = tuple(SPEC_TYPES)
+HEADS = ("dflash", "dspark")
 BROKEN = ("dspark_markov_zeroed", "dspark_layout_flipped", "dspark_d2t_zeroed")
 
 
-def spec_flags(spec_type: str) -> list[str]:
-    """K drafted tokens a cycle, no confidence truncation (the module docstring's stop rule)."""
-    return ["--spec-type", spec_type, "--spec-draft-n-max", str(K), "--spec-draft-p-min", "0"]
+def spec_flags(method: str) -> list[str]:
+    """llama-server's flags for the method's row (eval/cost.py `llamacpp_settings`: its spec type, K drafted tokens
+    a cycle), with llama.cpp's default p-min 0 passed explicitly: no truncation (the module docstring's stop rule)."""
+    return ll.llamacpp_settings(method, methods()[method].engines, K)["flags"] + ["--spec-draft-p-min", "0"]
+
+
+def test_the_rows_serve_them_as_llama_cpp_names_them():
+    assert [methods()[m].engines.llamacpp for m in HEADS] == ["draft-dflash", "draft-dspark"]
 
 
 def reversed_draft_rows(tensors: dict) -> dict:
@@ -118,9 +122,9 @@ def measured(builtin_samples, ggufs):
 
     runs = {TARGET_ONLY: run(TARGET_ONLY, [])}
     for name in HEADS:
-        runs[name] = run(name, spec_flags(SPEC_TYPES[name]))
+        runs[name] = run(name, spec_flags(name))
     for name in BROKEN:
-        runs[name] = run(name, spec_flags(SPEC_TYPES["dspark"]))
+        runs[name] = run(name, spec_flags("dspark"))
     return samples, runs
 
 
