@@ -197,6 +197,7 @@ class Server:
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + STARTUP_S
+        assert self.proc is not None  # started by __enter__
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise DraftsmithError(f"{self.what}: llama-server exited with status {self.proc.returncode} at "
@@ -240,7 +241,7 @@ class Server:
         seconds = time.perf_counter() - start
         out = {"tokens": [int(t) for t in result.get("tokens") or []], "seconds": seconds,
                "timings": result.get("timings") or {}, "stop_type": result.get("stop_type")}
-        if self.speculative:
+        if before is not None:  # a speculative server
             out["counters"] = counter_delta(before, self.counters())
         return out
 

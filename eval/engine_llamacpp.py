@@ -23,7 +23,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -102,13 +102,15 @@ def decode_run(model: Path, draft: Optional[Path], run: dict, prompts: list[list
                          what=f"engine=llamacpp ({run['name']})") as server:
         for p in prompts[:warmup]:
             server.complete(p, max_tokens)
-        tokens, seconds, counters = [], [], []
+        tokens: list[list[int]] = []
+        seconds: list[float] = []
+        counters: list[dict] = []
         for p in prompts:
             results = [server.complete(p, max_tokens) for _ in range(repeats)]
             tokens.append(results[0]["tokens"])
             seconds.append(statistics.median(r["seconds"] for r in results))
-            counters.append(results[0].get("counters"))
-    out = {"tokens": tokens, "seconds": seconds}
+            counters.append(results[0].get("counters") or {})  # {}: a server without a drafter counts nothing
+    out: dict[str, Any] = {"tokens": tokens, "seconds": seconds}
     if run["flags"]:
         out["counters"] = pooled(counters)
         out["per_prompt_counters"] = counters  # the agreement leaves out prompts that left target-only's output
@@ -189,7 +191,7 @@ def llamacpp_report(setup, drafter, samples: dict[str, list[metrics.Sample]], re
         section.update({key: main[key] for key in ("tau", "per_position_acceptance", "speedup") if key in main})
         if "agreement" in main:
             section["agreement"] = main["agreement"]
-    out = {"llamacpp": section}
+    out: dict[str, Any] = {"llamacpp": section}
     rec = recommendation(section, drafter, cfg)
     if rec is not None:
         out["builtin_recommendation"] = report.get("recommendation")

@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import types
 from pathlib import Path
-from typing import Optional
+from typing import Optional, TypeVar
 
 import torch
 
 from draftsmith.core import DraftsmithError
 from draftsmith.heads.block import DFlashHead, dflash_config_from_target
-from draftsmith.heads.folders import (CONFIG, EMBED, WEIGHTS, layer_shapes, llama_layer_config, read_checked_tensors,
-                                      read_config_json)
+from draftsmith.heads.folders import (CONFIG, EMBED, SPECULATORS_VERSION, WEIGHTS, layer_shapes, llama_layer_config,
+                                      read_checked_tensors, read_config_json, speculators_config)
 from draftsmith.heads.kit import DEFAULT_ROPE_THETA
 
+DFLASH_SPECULATORS_ARCHITECTURE = "DFlashSpeculator"  # speculators' DFlash class; DSpark's config builds on it
 DFLASH_ARCHITECTURE = "DFlashDraftModel"  # vLLM's registry: qwen3_dflash.DFlashQwen3ForCausalLM
 
 # format=gguf of both block drafters: the architecture that sends a folder to llama.cpp's DSpark converter
@@ -120,7 +121,10 @@ def read_dflash_folder(folder: Path):
     return config, tensors
 
 
-def check_target_layers(head: DFlashHead, folder, target=None) -> DFlashHead:
+BlockHead = TypeVar("BlockHead", bound=DFlashHead)  # DFlash's head or DSpark's (which extends it)
+
+
+def check_target_layers(head: BlockHead, folder, target=None) -> BlockHead:
     """A block drafter's folder beside a target: the target layers it reads must be the ones the target computes."""
     if target is not None and list(head.config.aux_layer_ids) != list(target.aux_layer_ids):
         raise DraftsmithError(f"{Path(folder) / CONFIG} reads target layers {head.config.aux_layer_ids} "
@@ -139,3 +143,29 @@ def check_gguf_vocab(config, method: str) -> None:
                               f"({config.vocab_size} tokens), and llama.cpp's DSpark converter then drops its trained "
                               f"lm_head for the target's output; train it with method.draft_vocab_size below "
                               f"{config.vocab_size}.")
+
+
+# ---- speculators' DFlash config: DFlash's format=speculators, and the base of DSpark's ---------------------------
+
+def speculators_dflash_config_json(head: DFlashHead, verifier: Optional[str], num_speculative_tokens: int,
+                                   dtype: torch.dtype) -> dict:
+    config = head.config
+    target_hidden = getattr(config, "target_hidden_size", None)
+    layer = {**layer_fields(config, None), "architectures": ["Qwen3ForCausalLM"]}
+    return {
+        "architectures": [DFLASH_SPECULATORS_ARCHITECTURE],
+        "speculators_model_type": "dflash",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config.draft_vocab_size,
+        "block_size": config.block_size,
+        "target_hidden_size": target_hidden if target_hidden and target_hidden != config.hidden_size else None,
+        "aux_hidden_state_layer_ids": [int(i) for i in config.aux_layer_ids],  # HF indices, as speculators'
+        "mask_token_id": head.mask_token_id,
+        # vLLM maps this to dflash_config.causal = not it, for every layer: true keeps our non-causal attention
+        "sliding_window_non_causal": True,
+        "sample_from_anchor": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "speculators_config": speculators_config("dflash", verifier, num_speculative_tokens),
+    }

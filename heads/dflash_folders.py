@@ -44,16 +44,15 @@ from typing import Optional
 import torch
 
 from draftsmith.core import DraftsmithError
-from draftsmith.heads.block_folders import (DFLASH_ARCHITECTURE, GGUF_CONVERTER_ARCHITECTURE, check_gguf_vocab,
-                                            check_target_layers, dflash_config_json, dflash_tensor_shapes,
-                                            layer_fields, read_dflash_folder)
+from draftsmith.heads.block_folders import (DFLASH_ARCHITECTURE, DFLASH_SPECULATORS_ARCHITECTURE,
+                                            GGUF_CONVERTER_ARCHITECTURE, check_gguf_vocab, check_target_layers,
+                                            dflash_config_json, dflash_tensor_shapes, read_dflash_folder, speculators_dflash_config_json)
 from draftsmith.heads.dflash import DFlashHead
-from draftsmith.heads.folders import (SPECULATORS_VERSION, build_head, export_verifier, folder_hooks,
-                                      folder_tensors, gguf_writer, speculators_config, with_target_embeddings,
+from draftsmith.heads.folders import (build_head, export_verifier, folder_hooks,
+                                      folder_tensors, gguf_writer, with_target_embeddings,
                                       write_head_folder)
 from draftsmith.core.layers import default_aux_layer_ids
 
-DFLASH_SPECULATORS_ARCHITECTURE = "DFlashSpeculator"
 ARCHITECTURES = (DFLASH_ARCHITECTURE,)
 FOREIGN_ARCHITECTURES = {DFLASH_SPECULATORS_ARCHITECTURE: "the speculators format (vLLM loads it); give the DFlash "
                                                           "folder it was exported from"}
@@ -94,30 +93,6 @@ def load_dflash(folder: str | os.PathLike, device="cpu", dtype: Optional[torch.d
 
 # ---- format=speculators: vLLM's speculators format, type dflash ----------------------------------------------
 
-def speculators_dflash_config_json(head: DFlashHead, verifier: Optional[str], num_speculative_tokens: int,
-                                   dtype: torch.dtype) -> dict:
-    config = head.config
-    target_hidden = getattr(config, "target_hidden_size", None)
-    layer = {**layer_fields(config, None), "architectures": ["Qwen3ForCausalLM"]}
-    return {
-        "architectures": [DFLASH_SPECULATORS_ARCHITECTURE],
-        "speculators_model_type": "dflash",
-        "speculators_version": SPECULATORS_VERSION,
-        "transformer_layer_config": layer,
-        "draft_vocab_size": config.draft_vocab_size,
-        "block_size": config.block_size,
-        "target_hidden_size": target_hidden if target_hidden and target_hidden != config.hidden_size else None,
-        "aux_hidden_state_layer_ids": [int(i) for i in config.aux_layer_ids],  # HF indices, as speculators'
-        "mask_token_id": head.mask_token_id,
-        # vLLM maps this to dflash_config.causal = not it, for every layer: true keeps our non-causal attention
-        "sliding_window_non_causal": True,
-        "sample_from_anchor": False,
-        "tie_word_embeddings": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "speculators_config": speculators_config("dflash", verifier, num_speculative_tokens),
-    }
-
-
 def save_speculators_dflash(head: DFlashHead, folder: str | os.PathLike, verifier: Optional[str] = None,
                             num_speculative_tokens: Optional[int] = None, manifest_target: dict | None = None,
                             dtype: Optional[torch.dtype] = None, include_embeddings: bool = True) -> Path:
@@ -157,7 +132,9 @@ load_checked, save = folder_hooks(load_dflash, save_dflash)
 
 def load(folder: Path, target=None) -> DFlashHead:
     """The method table's loader: beside a target, the folder's target layers must be the ones it computes."""
-    return check_target_layers(load_checked(folder, target), folder, target)
+    head = load_checked(folder, target)
+    assert isinstance(head, DFlashHead)  # load_checked is this module's loader
+    return check_target_layers(head, folder, target)
 
 
 def write_dflash(head: DFlashHead, folder: Path, manifest_target: Optional[dict], options) -> Path:

@@ -45,9 +45,9 @@ import torch
 from draftsmith.core import DraftsmithError
 from draftsmith.core.layers import default_aux_layer_ids
 from draftsmith.heads.block_folders import (GGUF_CONVERTER_ARCHITECTURE, check_gguf_vocab, check_target_layers,
-                                            dflash_config_from_json, dflash_config_json, dflash_tensor_shapes)
+                                            dflash_config_from_json, dflash_config_json, dflash_tensor_shapes,
+                                            speculators_dflash_config_json)
 from draftsmith.heads.dspark import DSparkHead
-from draftsmith.heads.dflash_folders import speculators_dflash_config_json
 from draftsmith.heads.folders import (CONFIG, EMBED, WEIGHTS, build_head, export_verifier, folder_hooks,
                                       folder_tensors, gguf_writer, read_checked_tensors, read_config_json,
                                       speculators_config, with_target_embeddings, write_head_folder)
@@ -141,7 +141,9 @@ load_checked, save = folder_hooks(load_dspark, save_dspark)
 
 def load(folder: Path, target=None) -> DSparkHead:
     """The method table's loader: beside a target, the folder's target layers must be the ones it computes."""
-    return check_target_layers(load_checked(folder, target), folder, target)
+    head = load_checked(folder, target)
+    assert isinstance(head, DSparkHead)  # load_checked is this module's loader
+    return check_target_layers(head, folder, target)
 
 
 def write_dspark(head: DSparkHead, folder: Path, manifest_target: Optional[dict], options) -> Path:

@@ -293,8 +293,10 @@ def read_checked_tensors(path: Path, expected: dict[str, tuple[int, ...]], optio
 
 def keep_rope_fp32(head: torch.nn.Module, inv_freq: torch.Tensor) -> None:
     """Casting the head to bf16 also rounds the rotary frequencies; put the fp32 ones back."""
-    head.rotary_emb.inv_freq = inv_freq.to(head.rotary_emb.inv_freq.device)
-    head.rotary_emb.original_inv_freq = inv_freq.clone().to(head.rotary_emb.inv_freq.device)
+    rotary = head.get_submodule("rotary_emb")  # every head's LlamaRotaryEmbedding
+    device = rotary.get_buffer("inv_freq").device
+    rotary.inv_freq = inv_freq.to(device)
+    rotary.original_inv_freq = inv_freq.clone().to(device)
 
 
 def with_target_embeddings(tensors: dict, expected: dict, folder: Path,
@@ -304,7 +306,8 @@ def with_target_embeddings(tensors: dict, expected: dict, folder: Path,
         if target_embeddings is None:
             raise DraftsmithError(f"{folder / WEIGHTS} has no {EMBED!r}: pass the target's embeddings "
                                   f"as target_embeddings.")
-        weight = getattr(target_embeddings, "weight", target_embeddings).detach()
+        weight = (target_embeddings.weight if isinstance(target_embeddings, torch.nn.Embedding)
+                  else target_embeddings).detach()
         if tuple(weight.shape) != expected[EMBED]:
             raise DraftsmithError(f"target_embeddings has shape {tuple(weight.shape)}, "
                                   f"expected {expected[EMBED]} for {folder}.")
