@@ -126,15 +126,15 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache
 
 class Attention(nn.Module):
     """Attention whose q/k/v project from `in_dim` features: the 2H-wide [embedding; hidden] input of the fused
-    layer by default, H for the plain layers stacked after it."""
+    layer by default, H for the plain layers stacked after it. `qkv_bias`: Qwen2's q/k/v biases (the MTP layer)."""
 
-    def __init__(self, config: LlamaConfig, in_dim: Optional[int] = None):
+    def __init__(self, config: LlamaConfig, in_dim: Optional[int] = None, qkv_bias: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = attention_sizes(config)
         in_dim = in_dim or 2 * config.hidden_size
-        self.q_proj = nn.Linear(in_dim, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(in_dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(in_dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.q_proj = nn.Linear(in_dim, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(in_dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(in_dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor,

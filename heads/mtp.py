@@ -27,10 +27,10 @@ from typing import Optional
 import torch
 from torch import nn
 from transformers import Qwen2Config
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draftsmith.core import DraftsmithError
-from draftsmith.heads.kit import cached_attention
+from draftsmith.heads.kit import Attention
 
 HIDDEN_INPUTS = ("pre_norm", "post_norm")  # the target's last hidden state before / after its final norm
 FUSIONS = ("hidden_first", "embedding_first")  # input_proj(cat(h, e)) (MiMo) | input_proj(cat(e, h)) (DeepSeek, Qwen)
@@ -67,29 +67,6 @@ def mtp_config_from_target(target_config, num_layers: int = 1, hidden: str = "pr
     return config
 
 
-class MTPAttention(nn.Module):
-    """Qwen2's attention: q/k/v projections with biases (zero for a Llama target), o_proj without."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
-                                                        config.head_dim)
-        H = config.hidden_size
-        self.q_proj = nn.Linear(H, self.n_heads * self.head_dim, bias=True)
-        self.k_proj = nn.Linear(H, self.n_kv_heads * self.head_dim, bias=True)
-        self.v_proj = nn.Linear(H, self.n_kv_heads * self.head_dim, bias=True)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, H, bias=False)
-
-    def forward(self, x, cos, sin, attn_mask, kv_cache, cache_positions):
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, d)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, d)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        y = cached_attention(q, k, v, kv_cache, cache_positions, attn_mask, self.n_heads // self.n_kv_heads)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
-
-
 class MTPLayer(nn.Module):
     """One MTP layer; its parameter names are the checkpoint's under `model.mtp_layers.{i}.`."""
 
@@ -101,7 +78,7 @@ class MTPLayer(nn.Module):
         self.hidden_layernorm = LlamaRMSNorm(H, eps=eps)
         self.input_proj = nn.Linear(2 * H, H, bias=False)
         self.input_layernorm = LlamaRMSNorm(H, eps=eps)
-        self.self_attn = MTPAttention(config)
+        self.self_attn = Attention(config, in_dim=config.hidden_size, qkv_bias=True)  # Qwen2's: q/k/v biases
         self.post_attention_layernorm = LlamaRMSNorm(H, eps=eps)
         self.mlp = LlamaMLP(config)
         self.final_layernorm = LlamaRMSNorm(H, eps=eps)
