@@ -5,16 +5,18 @@ llama.cpp's converter for `export format=gguf` (GGUF_CONVERTER_ARCHITECTURE, che
 
 from __future__ import annotations
 
+import os
 import types
 from pathlib import Path
-from typing import Optional, TypeVar
+from typing import Callable, Optional, TypeVar
 
 import torch
 
 from draftsmith.core import DraftsmithError
 from draftsmith.heads.block import DFlashHead, dflash_config_from_target
 from draftsmith.heads.folders import (CONFIG, EMBED, SPECULATORS_VERSION, WEIGHTS, layer_shapes, llama_layer_config,
-                                      read_checked_tensors, read_config_json, speculators_config)
+                                      read_checked_tensors, read_config_json, speculators_config,
+                                      write_head_folder)
 from draftsmith.heads.kit import DEFAULT_ROPE_THETA
 
 DFLASH_SPECULATORS_ARCHITECTURE = "DFlashSpeculator"  # speculators' DFlash class; DSpark's config builds on it
@@ -169,3 +171,18 @@ def speculators_dflash_config_json(head: DFlashHead, verifier: Optional[str], nu
         "torch_dtype": str(dtype).removeprefix("torch."),
         "speculators_config": speculators_config("dflash", verifier, num_speculative_tokens),
     }
+
+
+def save_speculators_block(head: DFlashHead, folder: str | os.PathLike, tensors: Callable[..., dict],
+                           config_json: Callable[..., dict], verifier: Optional[str],
+                           num_speculative_tokens: Optional[int], manifest_target: dict | None,
+                           dtype: Optional[torch.dtype], include_embeddings: bool) -> Path:
+    """Write a block drafter in speculators' format (atomically): `tensors(head, dtype, include_embeddings)` under
+    `config_json(head, verifier, K, dtype)`; K defaults to block_size - 1 (DFlash's and DSpark's writers)."""
+    k = head.block_size - 1 if num_speculative_tokens is None else int(num_speculative_tokens)
+    if k < 1:
+        raise DraftsmithError(f"export num_speculative_tokens={k} must be at least 1.")
+    dtype = dtype or head.fc.weight.dtype
+    return write_head_folder(Path(folder), tensors(head, dtype, include_embeddings),
+                             config_json(head, verifier, k, dtype), head.config.draft_vocab_size, manifest_target,
+                             "export", "speculators")

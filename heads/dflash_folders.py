@@ -43,10 +43,10 @@ from typing import Optional
 
 import torch
 
-from draftsmith.core import DraftsmithError
 from draftsmith.heads.block_folders import (DFLASH_ARCHITECTURE, DFLASH_SPECULATORS_ARCHITECTURE,
                                             GGUF_CONVERTER_ARCHITECTURE, check_gguf_vocab, check_target_layers,
-                                            dflash_config_json, dflash_tensor_shapes, read_dflash_folder, speculators_dflash_config_json)
+                                            dflash_config_json, dflash_tensor_shapes, read_dflash_folder,
+                                            save_speculators_block, speculators_dflash_config_json)
 from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.folders import (build_head, export_verifier, folder_hooks,
                                       folder_tensors, gguf_writer, with_target_embeddings,
@@ -97,14 +97,8 @@ def save_speculators_dflash(head: DFlashHead, folder: str | os.PathLike, verifie
                             num_speculative_tokens: Optional[int] = None, manifest_target: dict | None = None,
                             dtype: Optional[torch.dtype] = None, include_embeddings: bool = True) -> Path:
     """Write the drafter in speculators' DFlash format (atomically); K defaults to block_size - 1."""
-    k = head.block_size - 1 if num_speculative_tokens is None else int(num_speculative_tokens)
-    if k < 1:
-        raise DraftsmithError(f"export num_speculative_tokens={k} must be at least 1.")
-    dtype = dtype or head.fc.weight.dtype
-    tensors = dflash_tensors(head, dtype, include_embeddings)
-    config = speculators_dflash_config_json(head, verifier, k, dtype)
-    return write_head_folder(Path(folder), tensors, config, head.config.draft_vocab_size, manifest_target, "export",
-                             "speculators")
+    return save_speculators_block(head, folder, dflash_tensors, speculators_dflash_config_json, verifier, num_speculative_tokens, manifest_target,
+                                  dtype, include_embeddings)
 
 
 # ---- format=gguf: llama.cpp, through its own converter ----------------------------------------------------------

@@ -46,7 +46,7 @@ from draftsmith.core import DraftsmithError
 from draftsmith.core.layers import default_aux_layer_ids
 from draftsmith.heads.block_folders import (GGUF_CONVERTER_ARCHITECTURE, check_gguf_vocab, check_target_layers,
                                             dflash_config_from_json, dflash_config_json, dflash_tensor_shapes,
-                                            speculators_dflash_config_json)
+                                            save_speculators_block, speculators_dflash_config_json)
 from draftsmith.heads.dspark import DSparkHead
 from draftsmith.heads.folders import (CONFIG, EMBED, WEIGHTS, build_head, export_verifier, folder_hooks,
                                       folder_tensors, gguf_writer, read_checked_tensors, read_config_json,
@@ -175,14 +175,8 @@ def save_speculators_dspark(head: DSparkHead, folder: str | os.PathLike, verifie
                             num_speculative_tokens: Optional[int] = None, manifest_target: dict | None = None,
                             dtype: Optional[torch.dtype] = None, include_embeddings: bool = True) -> Path:
     """Write the drafter in speculators' DSpark format (atomically); K defaults to block_size - 1."""
-    k = head.block_size - 1 if num_speculative_tokens is None else int(num_speculative_tokens)
-    if k < 1:
-        raise DraftsmithError(f"export num_speculative_tokens={k} must be at least 1.")
-    dtype = dtype or head.fc.weight.dtype
-    tensors = dspark_tensors(head, dtype, include_embeddings)
-    config = speculators_dspark_config_json(head, verifier, k, dtype)
-    return write_head_folder(Path(folder), tensors, config, head.config.draft_vocab_size, manifest_target, "export",
-                             "speculators")
+    return save_speculators_block(head, folder, dspark_tensors, speculators_dspark_config_json, verifier, num_speculative_tokens, manifest_target,
+                                  dtype, include_embeddings)
 
 
 def write_speculators(head: DSparkHead, folder: Path, manifest_target: Optional[dict], options) -> Path:
