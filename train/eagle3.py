@@ -435,7 +435,7 @@ def masked_rows(h: torch.Tensor, lo: int, counted: torch.Tensor, target: TargetS
 
 def eagle3_loss(head: Eagle3Head, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 loss_mask: torch.Tensor, aux: torch.Tensor, target: TargetSide,
-                steps: int = 7, decay: float = 0.8, position_ids: Optional[torch.Tensor] = None,
+                steps: int, decay: float = Eagle3Config.ttt_decay, position_ids: Optional[torch.Tensor] = None,
                 document_ids: Optional[torch.Tensor] = None, attention: str = "auto",
                 sync_free: Optional[bool] = None, loss_chunk: Optional[int] = None,
                 activation_checkpointing: bool = False, reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
