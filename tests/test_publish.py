@@ -243,7 +243,7 @@ def test_publish_does_not_write_over_user_files(evaluated, tmp_path):
 
 
 def test_user_files_kept_in_the_publish_folder_are_never_uploaded(evaluated, tmp_path):
-    from draftsmith.publish import upload_files
+    from draftsmith.publish_folder import upload_files
 
     head, eval_out, _ = evaluated
     first = run(publish_cfg(head, tmp_path, report=str(eval_out), dry_run=True))
