@@ -105,8 +105,8 @@ class EvalConfig:
             raise DraftsmithError("head is empty: pass head=<EAGLE-3 folder | draft-model folder | ngram | none>.")
         check_options(self)
         checks.at_least("max_len", self.max_len, 1, null="as long as needed")
-        for k in self.sweep_k:
-            checks.in_range("sweep_k", k, 1, 64)
+        for num_speculative_tokens in self.sweep_k:
+            checks.in_range("sweep_k", num_speculative_tokens, 1, 64)
         checks.at_least("cost_repeats", self.cost_repeats, 1)
         checks.at_least("near_tie_eps", self.near_tie_eps, 0)
         checks.one_of("engine", self.engine, ENGINES)

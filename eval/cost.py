@@ -31,9 +31,9 @@ from draftsmith.eval.decoder import tree_mask
 
 # ---- the model ------------------------------------------------------------------------------
 
-def predicted_tau(acceptance: Sequence[float], k: int) -> float:
-    """Expected tokens per verification of a chain of k drafts: 1 (the bonus) + sum of the first k a_i."""
-    return 1.0 + sum(acceptance[:k])
+def predicted_tau(acceptance: Sequence[float], num_speculative_tokens: int) -> float:
+    """Expected tokens per verification of a chain of K drafts: 1 (the bonus) + sum of the first K a_i."""
+    return 1.0 + sum(acceptance[:num_speculative_tokens])
 
 
 def predicted_speedup(tau: float, t_step: float, t_verify: float, t_draft: float) -> float:
@@ -105,10 +105,10 @@ def decode_clock(target_only: Sequence, runs: Mapping[int, Sequence]) -> dict:
     out = {"step_s": base_decode / steps if steps else None,
            "prefill_s": sum(s.prefill_seconds for s in target_only) / max(len(target_only), 1),
            "decode_tokens": emitted / max(len(target_only), 1), "by_k": {}}
-    for k, samples in runs.items():
+    for num_speculative_tokens, samples in runs.items():
         n_ver = sum(s.verifications for s in samples)
         spec_emitted, spec_decode = sum(s.emitted_tokens for s in samples), sum(s.decode_seconds for s in samples)
-        out["by_k"][int(k)] = {
+        out["by_k"][int(num_speculative_tokens)] = {
             "verify_s": sum(s.verify_seconds for s in samples) / n_ver if n_ver else None,
             "prefill_s": sum(s.prefill_seconds for s in samples) / max(len(samples), 1),
             "decode_speedup": (base_decode / emitted) / (spec_decode / spec_emitted)
@@ -117,7 +117,8 @@ def decode_clock(target_only: Sequence, runs: Mapping[int, Sequence]) -> dict:
 
 
 def cost_table(target: dict, acceptance: Sequence[float], runs: Sequence[dict], mode: str = "chain",
-               max_k: Optional[int] = None, one_forward: bool = False, clock: Optional[dict] = None) -> list[dict]:
+               max_num_speculative_tokens: Optional[int] = None, one_forward: bool = False,
+               clock: Optional[dict] = None) -> list[dict]:
     """One row per K: predicted tau and speedup, and (where K was decoded) the measured ones.
 
     target: `measure_target`'s dict. acceptance: the head's per-position acceptance (from its longest-K
@@ -135,15 +136,15 @@ def cost_table(target: dict, acceptance: Sequence[float], runs: Sequence[dict], 
     by_k = {int(r["k"]): r for r in runs}
     timed_step = target["step_s"]
     t_step = clock["step_s"] if clock and clock.get("step_s") else timed_step
-    top = max_k or max([*by_k, len(acceptance)] or [1])
+    top = max_num_speculative_tokens or max([*by_k, len(acceptance)] or [1])
     rows = []
-    for k in range(1, top + 1):
-        run = by_k.get(k)
+    for num_speculative_tokens in range(1, top + 1):
+        run = by_k.get(num_speculative_tokens)
         if run is not None:
             t_draft = run["draft_s_per_verification"]
         elif by_k:
-            near = min(by_k, key=lambda j: (abs(j - k), j))
-            t_draft = by_k[near]["draft_s_per_verification"] * (1 if one_forward else k / near)
+            near = min(by_k, key=lambda j: (abs(j - num_speculative_tokens), j))
+            t_draft = by_k[near]["draft_s_per_verification"] * (1 if one_forward else num_speculative_tokens / near)
         else:
             t_draft = 0.0
         if mode == "tree" and run is not None:
@@ -151,28 +152,30 @@ def cost_table(target: dict, acceptance: Sequence[float], runs: Sequence[dict], 
             timed_verify = target["tree_verify_s"].get(str(n))
             tau = run["tau"]  # a tree's tau is not a chain's sum: the measured one
         else:
-            n = k + 1
+            n = num_speculative_tokens + 1
             timed_verify = target["verify_s"].get(str(n))
-            tau = predicted_tau(acceptance, k) if k <= len(acceptance) else None
+            tau = (predicted_tau(acceptance, num_speculative_tokens) if num_speculative_tokens <= len(acceptance)
+                   else None)
         if timed_verify is None or tau is None:
             continue
-        row: dict[str, Optional[float]] = {"k": k, "verify_tokens": n}
+        row: dict[str, Optional[float]] = {"k": num_speculative_tokens, "verify_tokens": n}
         t_verify, predicted = timed_verify, predicted_speedup(tau, t_step, timed_verify, t_draft)
         if clock and clock.get("step_s") and clock["by_k"]:
-            near = min(clock["by_k"], key=lambda j: (abs(j - k), j))
+            near = min(clock["by_k"], key=lambda j: (abs(j - num_speculative_tokens), j))
             at = clock["by_k"][near]
             timed_near = (target["tree_verify_s"].get(str(int(round(by_k[near]["mean_draft_size"])) + 1))
                           if mode == "tree" else target["verify_s"].get(str(near + 1)))
             if at["verify_s"] and timed_near:
-                t_verify = at["verify_s"] if near == k else timed_verify * at["verify_s"] / timed_near
+                t_verify = (at["verify_s"] if near == num_speculative_tokens
+                            else timed_verify * at["verify_s"] / timed_near)
             tokens = clock["decode_tokens"]
-            spec_prefill = clock["by_k"].get(k, at)["prefill_s"]
+            spec_prefill = clock["by_k"].get(num_speculative_tokens, at)["prefill_s"]
             cycle = t_verify + t_draft
             predicted = ((clock["prefill_s"] + tokens * t_step) / (spec_prefill + tokens / tau * cycle)
                          if cycle > 0 and tau > 0 else 0.0)
             row.update(timed_step_s=timed_step,
                        predicted_speedup_timed_passes=predicted_speedup(tau, timed_step, timed_verify, t_draft),
-                       measured_decode_speedup=clock["by_k"].get(k, {}).get("decode_speedup"))
+                       measured_decode_speedup=clock["by_k"].get(num_speculative_tokens, {}).get("decode_speedup"))
         row.update({"t_step_s": t_step, "t_verify_s": t_verify, "t_draft_s": t_draft,
                     "verify_over_step": t_verify / t_step if t_step else None,
                     "predicted_tau": tau, "break_even_tau": break_even_tau(t_step, t_verify, t_draft),
@@ -191,17 +194,18 @@ def best_measured(rows: Sequence[dict]) -> Optional[dict]:
 
 # ---- what to set ----------------------------------------------------------------------------
 
-def serving_settings(method: str, engines: Engines, target_model: str, head_path: Optional[str], k: int,
-                     mode: str = "chain", tree_top_k: int = 1, tree_size: Optional[int] = None, ngram_min: int = 1,
+def serving_settings(method: str, engines: Engines, target_model: str, head_path: Optional[str],
+                     num_speculative_tokens: int, mode: str = "chain", tree_top_k: int = 1, tree_size: Optional[int] = None, ngram_min: int = 1,
                      ngram_max: int = 3, line_break: bool = False, stop_below: float = 0.0) -> dict:
-    """vLLM's --speculative-config and SGLang's --speculative-* flags for `method` at draft length `k`.
+    """vLLM's --speculative-config and SGLang's --speculative-* flags for `method` drafting
+    `num_speculative_tokens` tokens (K).
 
     `engines`: the method's row's names for it (draftsmith.core.methods; ngram's is eval's NGRAM_ENGINES; ngram+<m>
     is served as <m>). The one place that turns them into the engines' flags: eval's report and publish's model
     card both call it (`line_break=True`: one flag per line, for the card). Tree drafting (tree_size = the tree
     budget) maps to SGLang's topk / num-draft-tokens (the root counted, as SGLang does); vLLM gets the chain of
     the same depth. An engine that cannot serve the method gets None and a reason."""
-    out: dict = {"k": k, "mode": mode}
+    out: dict = {"k": num_speculative_tokens, "mode": mode}
     model = head_path or "<head folder>"
     sep = " \\\n    " if line_break else " "
     served = model if engines.in_target else target_model  # MTP: the stitched target folder is the model
@@ -210,11 +214,12 @@ def serving_settings(method: str, engines: Engines, target_model: str, head_path
     else:
         spec: dict = {"method": engines.vllm}
         if engines.in_target:
-            spec.update(num_speculative_tokens=k)
+            spec.update(num_speculative_tokens=num_speculative_tokens)
         elif engines.draft_folder:
-            spec.update(model=model, num_speculative_tokens=k)
+            spec.update(model=model, num_speculative_tokens=num_speculative_tokens)
         else:  # prompt lookup: no draft folder, the n-gram sizes instead
-            spec.update(num_speculative_tokens=k, prompt_lookup_min=ngram_min, prompt_lookup_max=ngram_max)
+            spec.update(num_speculative_tokens=num_speculative_tokens, prompt_lookup_min=ngram_min,
+                        prompt_lookup_max=ngram_max)
         spec.update(engines.vllm_options)
         text = json.dumps(spec)
         out["vllm"] = {"config": spec, "command": f"vllm serve {served}{sep}--speculative-config '{text}'"}
@@ -224,22 +229,22 @@ def serving_settings(method: str, engines: Engines, target_model: str, head_path
     else:
         tree = mode == "tree"
         topk = tree_top_k if tree else 1
-        draft_tokens = (tree_size if tree and tree_size else k) + 1  # SGLang counts the root token
+        draft_tokens = (tree_size if tree and tree_size else num_speculative_tokens) + 1  # SGLang counts the root token
         flags: dict[str, str | int] = {"--speculative-algorithm": engines.sglang}
         if engines.draft_folder:
             flags["--speculative-draft-model-path"] = model
-        flags.update({"--speculative-num-steps": k, "--speculative-eagle-topk": topk,
+        flags.update({"--speculative-num-steps": num_speculative_tokens, "--speculative-eagle-topk": topk,
                       "--speculative-num-draft-tokens": draft_tokens})
         text = sep.join(f"{f} {v}" for f, v in flags.items())
         out["sglang"] = {"flags": flags,
                          "command": f"python -m sglang.launch_server --model-path {target_model}{sep}{text}"}
     # ngram+<m> (eval's ngram_first): llama.cpp mixes the two, vLLM and SGLang serve <m> alone
-    out["llamacpp"] = llamacpp_settings(method.removeprefix("ngram+"), engines, k, ngram_max, sep,
+    out["llamacpp"] = llamacpp_settings(method.removeprefix("ngram+"), engines, num_speculative_tokens, ngram_max, sep,
                                         ngram_first=method.startswith("ngram+"), stop_below=stop_below)
     return out
 
 
-def llamacpp_settings(method: str, engines: Engines, k: int, ngram_max: int = 3, sep: str = " ",
+def llamacpp_settings(method: str, engines: Engines, num_speculative_tokens: int, ngram_max: int = 3, sep: str = " ",
                       ngram_first: bool = False, stop_below: float = 0.0) -> dict:
     """llama-server's --spec-type and command for `method` at K (the target and drafter as GGUF files: export
     format=gguf writes the drafter). `ngram_first`: llama.cpp's mixing, n-gram lookup first, then the drafter.
@@ -250,9 +255,10 @@ def llamacpp_settings(method: str, engines: Engines, k: int, ngram_max: int = 3,
         return {"spec_type": None, "command": None,
                 "note": f"llama.cpp has no loader for {method!r} drafters; serve it with vLLM."}
     types = (["ngram-simple"] if ngram_first and engines.draft_folder else []) + [engines.llamacpp]
-    flags = ["--spec-type", ",".join(types), "--spec-draft-n-max", str(k)]
+    flags = ["--spec-type", ",".join(types), "--spec-draft-n-max", str(num_speculative_tokens)]
     if "ngram-simple" in types:  # llama.cpp's defaults match 12 tokens and copy 48: ours match ngram_max, copy K
-        flags += ["--spec-ngram-simple-size-n", str(ngram_max), "--spec-ngram-simple-size-m", str(k)]
+        flags += ["--spec-ngram-simple-size-n", str(ngram_max),
+                  "--spec-ngram-simple-size-m", str(num_speculative_tokens)]
     if stop_below and engines.draft_folder:  # llama.cpp's default p-min is 0: a fixed K
         flags += ["--spec-draft-p-min", f"{stop_below:g}"]
     draft = ["-md", "<head>.gguf"] if engines.draft_folder else []

@@ -248,8 +248,8 @@ def speculative_generate(target_runner, proposer: Optional[Proposer], prompt_ids
         raise DraftsmithError("this proposer reads EAGLE-3 features: build the TargetRunner with aux_layer_ids "
                               "(Target.aux_layer_ids).")
     eos = set(eos_token_ids)
-    depth_cap = drafting.num_speculative_tokens
-    accepted, proposed = [0] * depth_cap, [0] * depth_cap
+    num_speculative_tokens = drafting.num_speculative_tokens
+    accepted, proposed = [0] * num_speculative_tokens, [0] * num_speculative_tokens
 
     t0 = time.perf_counter()
     first, aux = prefill(runner, prompt, sampling, generator, want_aux)

@@ -72,24 +72,28 @@ def head_gguf(drafter, write_gguf, target, folder: Path, outtype: str) -> Path:
 
 # --------------------------------------------------------------------------- the runs
 
-def llamacpp_runs(cfg, drafter, k: int) -> list[dict]:
+def llamacpp_runs(cfg, drafter, num_speculative_tokens: int) -> list[dict]:
     """Each run's name, K and llama-server's speculative flags (eval/cost.py `llamacpp_settings`)."""
     runs = [{"name": TARGET_ONLY, "flags": [], "draft": False}]
     method = drafter.method.removeprefix("ngram+")
-    ngram = lambda kk: llamacpp_settings("ngram", NGRAM_ENGINES, kk, cfg.ngram_max)  # noqa: E731
     if drafter.make is None:
         return runs
+    ngram = {"name": "ngram", "k": num_speculative_tokens, "draft": False,
+             "flags": llamacpp_settings("ngram", NGRAM_ENGINES, num_speculative_tokens, cfg.ngram_max)["flags"]}
     if method == "ngram":
-        return runs + [{"name": "ngram", "k": k, "flags": ngram(k)["flags"], "draft": False}]
+        return runs + [ngram]
     if drafter.engines.llamacpp is None:
-        raise DraftsmithError(f"engine=llamacpp: {llamacpp_settings(method, drafter.engines, k)['note']}")
+        note = llamacpp_settings(method, drafter.engines, num_speculative_tokens)["note"]
+        raise DraftsmithError(f"engine=llamacpp: {note}")
     p_min = cfg.drafting.stop_below  # llama.cpp's --spec-draft-p-min: the same rule (eval/cost.py)
-    for kk in dict.fromkeys([k, *cfg.sweep_k]):
-        runs.append({"name": run_name(method, kk, k), "k": kk, "draft": True,
-                     "flags": llamacpp_settings(method, drafter.engines, kk, cfg.ngram_max, stop_below=p_min)["flags"]})
-    runs.append({"name": "ngram", "k": k, "flags": ngram(k)["flags"], "draft": False})
-    runs.append({"name": f"ngram+{method}", "k": k, "draft": True,
-                 "flags": llamacpp_settings(method, drafter.engines, k, cfg.ngram_max, ngram_first=True,
+    for swept in dict.fromkeys([num_speculative_tokens, *cfg.sweep_k]):
+        runs.append({"name": run_name(method, swept, num_speculative_tokens), "k": swept, "draft": True,
+                     "flags": llamacpp_settings(method, drafter.engines, swept, cfg.ngram_max,
+                                                stop_below=p_min)["flags"]})
+    runs.append(ngram)
+    runs.append({"name": f"ngram+{method}", "k": num_speculative_tokens, "draft": True,
+                 "flags": llamacpp_settings(method, drafter.engines, num_speculative_tokens, cfg.ngram_max,
+                                            ngram_first=True,
                                             stop_below=p_min)["flags"]})
     return runs
 
@@ -135,8 +139,8 @@ def llamacpp_report(setup, drafter, samples: dict[str, list[metrics.Sample]], re
         raise DraftsmithError(f"engine=llamacpp: {missing}.")
     base = samples[TARGET_ONLY]
     prompts = [s.prompt_ids for s in base]
-    k = d.num_speculative_tokens
-    runs = llamacpp_runs(cfg, drafter, k)
+    num_speculative_tokens = d.num_speculative_tokens
+    runs = llamacpp_runs(cfg, drafter, num_speculative_tokens)
     how = cfg.llamacpp_target
     model = target_gguf(setup.target, how)
     ctx = max(len(p) for p in prompts) + cfg.max_new_tokens + max([r.get("k") or 0 for r in runs]) + 64
@@ -213,15 +217,18 @@ def up_to_near_ties(divergences: list[dict], n: int, eps: float) -> float:
     return (n - sum(d["margin"] >= eps for d in divergences)) / n if n else 1.0
 
 
-def agreement_where_identical(builtin: list[metrics.Sample], got: dict, reference: list[list[int]], k: int) -> dict:
+def agreement_where_identical(builtin: list[metrics.Sample], got: dict, reference: list[list[int]],
+                              num_speculative_tokens: int) -> dict:
     """eval/engine_vllm.py's `agreement` over the prompts whose llama.cpp output equals its target-only output
     (past a divergence the two decoders draft from different contexts); `prompts_compared` says how many."""
     keep = [i for i, (a, b) in enumerate(zip(got["tokens"], reference)) if a == b]
     compared = f"{len(keep)}/{len(reference)}"
     counters = got["per_prompt_counters"]
     if not keep:  # nothing left to compare: the pooled figures beside each other, and never "equal"
-        return agreement(builtin, {"counters": pooled(counters)}, k) | {"equal": False, "prompts_compared": compared}
-    agree = agreement([builtin[i] for i in keep], {"counters": pooled([counters[i] for i in keep])}, k)
+        return (agreement(builtin, {"counters": pooled(counters)}, num_speculative_tokens)
+                | {"equal": False, "prompts_compared": compared})
+    agree = agreement([builtin[i] for i in keep], {"counters": pooled([counters[i] for i in keep])},
+                      num_speculative_tokens)
     return agree | {"prompts_compared": compared}
 
 

@@ -47,35 +47,36 @@ def served_target(target) -> str:
     return engine.served_folder(target, "engine=vllm")
 
 
-def speculative_config(method: str, engines: Engines, head: Optional[str], k: int, ngram_min: int = 1,
-                       ngram_max: int = 3) -> dict:
+def speculative_config(method: str, engines: Engines, head: Optional[str], num_speculative_tokens: int,
+                       ngram_min: int = 1, ngram_max: int = 3) -> dict:
     """vLLM's speculative_config for `method` (its row's `engines`) at K: the one eval recommends and publish's
     card prints."""
-    spec = serving_settings(method, engines, "<target>", head, k, ngram_min=ngram_min,
+    spec = serving_settings(method, engines, "<target>", head, num_speculative_tokens, ngram_min=ngram_min,
                             ngram_max=ngram_max)["vllm"]["config"]
     if spec is None:
         raise DraftsmithError(f"engine=vllm: vLLM has no speculative method for {method!r}.")
     return spec
 
 
-def engine_runs(cfg, drafter, k: int) -> list[dict]:
+def engine_runs(cfg, drafter, num_speculative_tokens: int) -> list[dict]:
     """The job's runs for an eval: target-only, the head at K and at each sweep_k, and the ngram baseline."""
     runs: list[dict[str, Any]] = [{"name": TARGET_ONLY, "speculative_config": None}]
     if drafter.make is None:
         return runs
     head = drafter.info.get("path")
-    for kk in dict.fromkeys([k, *cfg.sweep_k]):
-        runs.append({"name": run_name(drafter.method, kk, k), "k": kk,
-                     "speculative_config": speculative_config(drafter.method, drafter.engines, head, kk,
+    for swept in dict.fromkeys([num_speculative_tokens, *cfg.sweep_k]):
+        runs.append({"name": run_name(drafter.method, swept, num_speculative_tokens), "k": swept,
+                     "speculative_config": speculative_config(drafter.method, drafter.engines, head, swept,
                                                               cfg.ngram_min, cfg.ngram_max)})
     if "ngram" in cfg.baselines and drafter.method != "ngram":
-        runs.append({"name": "ngram", "k": k, "speculative_config": speculative_config("ngram", NGRAM_ENGINES, None, k,
+        runs.append({"name": "ngram", "k": num_speculative_tokens,
+                     "speculative_config": speculative_config("ngram", NGRAM_ENGINES, None, num_speculative_tokens,
                                                                                       cfg.ngram_min, cfg.ngram_max)})
     return runs
 
 
-def run_name(method: str, k: int, main_k: int) -> str:
-    return method if k == main_k else f"{method}@K={k}"
+def run_name(method: str, num_speculative_tokens: int, main_num_speculative_tokens: int) -> str:
+    return method if num_speculative_tokens == main_num_speculative_tokens else f"{method}@K={num_speculative_tokens}"
 
 
 def engine_job(target_folder: str, prompts: list[list[int]], max_tokens: int, eos: list[int], runs: list[dict],
@@ -85,8 +86,8 @@ def engine_job(target_folder: str, prompts: list[list[int]], max_tokens: int, eo
     if batch and (repeats != 1 or warmup != 0):
         raise ValueError("a batch job measures no time: repeats=1 and warmup=0")
     longest = max(len(p) for p in prompts) + max_tokens
-    k = max([r.get("k") or 0 for r in runs] + [0])
-    return {"target": target_folder, "dtype": dtype, "max_model_len": longest + k + 64,
+    longest_draft = max([r.get("k") or 0 for r in runs] + [0])
+    return {"target": target_folder, "dtype": dtype, "max_model_len": longest + longest_draft + 64,
             "kv_cache_bytes": KV_CACHE_BYTES, "prompts": prompts, "max_tokens": int(max_tokens),
             "stop_token_ids": list(eos), "repeats": int(repeats), "warmup": int(warmup), "batch": bool(batch),
             "runs": runs}
@@ -103,13 +104,13 @@ def builtin_steps(sample: metrics.Sample) -> list[int]:
     return [a for a, size in zip(accepted, sample.draft_sizes) if size > 0]
 
 
-def builtin_counts(samples: list[metrics.Sample], k: int) -> dict:
+def builtin_counts(samples: list[metrics.Sample], num_speculative_tokens: int) -> dict:
     """The built-in decoder's acceptance as vLLM's counters would hold it."""
-    per_pos = metrics.sum_positions([s.accepted for s in samples] + [[0] * k])
+    per_pos = metrics.sum_positions([s.accepted for s in samples] + [[0] * num_speculative_tokens])
     return {"num_drafts": sum(1 for s in samples for size in s.draft_sizes if size > 0),
             "num_draft_tokens": sum(sum(s.draft_sizes) for s in samples),
             "num_accepted_tokens": sum(sum(s.accepted) for s in samples),
-            "num_accepted_tokens_per_pos": per_pos[:k]}
+            "num_accepted_tokens_per_pos": per_pos[:num_speculative_tokens]}
 
 
 def figures(counts: dict) -> dict:
@@ -126,25 +127,26 @@ def steps_identical(builtin: list[int], engine_steps: list[int]) -> bool:
     return abs(len(builtin) - len(engine_steps)) <= 1 and builtin[: n - 1] == engine_steps[: n - 1]
 
 
-def without_steps(counts: dict, removed: list[int], k: int) -> dict:
+def without_steps(counts: dict, removed: list[int], num_speculative_tokens: int) -> dict:
     """Counter values less some verifications (`removed`: the draft tokens each of them accepted)."""
-    per_pos = (list(counts["num_accepted_tokens_per_pos"]) + [0] * k)[:k]
+    per_pos = (list(counts["num_accepted_tokens_per_pos"]) + [0] * num_speculative_tokens)[:num_speculative_tokens]
     for accepted in removed:
-        for i in range(min(accepted, k)):
+        for i in range(min(accepted, num_speculative_tokens)):
             per_pos[i] -= 1
     return {"num_drafts": counts["num_drafts"] - len(removed),
             "num_accepted_tokens": counts["num_accepted_tokens"] - sum(removed),
             "num_accepted_tokens_per_pos": per_pos}
 
 
-def agreement(samples: list[metrics.Sample], run: dict, k: int, tolerance: float = TOLERANCE) -> dict:
+def agreement(samples: list[metrics.Sample], run: dict, num_speculative_tokens: int,
+              tolerance: float = TOLERANCE) -> dict:
     """The built-in decoder's samples against one engine run on the same prompts (vLLM's counting on both).
 
     Where the engine gave every prompt's per-step detail (vLLM's per-request counts), the figures are compared
     over every verification but each prompt's last: there the engine drafts K and drops what is past max_tokens
     while the built-in decoder shortens its draft, so that one may differ by design (a head that accepts most
     drafts moved the pooled τ by 0.026 over 48 tokens that way). Without that detail, pooled over all."""
-    ours_all, theirs_all = builtin_counts(samples, k), run["counters"]
+    ours_all, theirs_all = builtin_counts(samples, num_speculative_tokens), run["counters"]
     steps = [(d or {}).get("per_step_accepted") for d in run.get("per_request") or []]
     same_steps = [steps_identical(builtin_steps(s), st) for s, st in zip(samples, steps) if st is not None]
     steps_fraction = sum(same_steps) / len(same_steps) if same_steps else None
@@ -159,13 +161,15 @@ def agreement(samples: list[metrics.Sample], run: dict, k: int, tolerance: float
             n = max(min(len(b), len(st)) - 1, 0)
             ours_cut += b[n:]
             theirs_cut += st[n:]
-        ours, theirs = figures(without_steps(ours_all, ours_cut, k)), figures(without_steps(theirs_all, theirs_cut, k))
+        ours = figures(without_steps(ours_all, ours_cut, num_speculative_tokens))
+        theirs = figures(without_steps(theirs_all, theirs_cut, num_speculative_tokens))
     pos_ours = ours["per_position_acceptance"]
-    pos_theirs = (theirs["per_position_acceptance"] + [0.0] * k)[:k]
+    pos_theirs = (theirs["per_position_acceptance"] + [0.0] * num_speculative_tokens)[:num_speculative_tokens]
     deltas = [abs(ours["tau"] - theirs["tau"])] + [abs(a - b) for a, b in zip(pos_ours, pos_theirs)]
     return {"tau_builtin": pooled_ours["tau"], "tau_engine": pooled_theirs["tau"],  # every verification
             "per_position_builtin": pooled_ours["per_position_acceptance"],
-            "per_position_engine": (pooled_theirs["per_position_acceptance"] + [0.0] * k)[:k],
+            "per_position_engine": (pooled_theirs["per_position_acceptance"]
+                                    + [0.0] * num_speculative_tokens)[:num_speculative_tokens],
             "num_drafts_builtin": pooled_ours["num_drafts"], "num_drafts_engine": pooled_theirs["num_drafts"],
             "compared": "every verification but each prompt's last" if detailed else "every verification",
             "tau_builtin_compared": ours["tau"], "tau_engine_compared": theirs["tau"],
@@ -286,26 +290,27 @@ def engine_cost_model(section: dict, method: str, report: dict) -> Optional[dict
     if not base_tps or not measured:
         return None
     t_step = 1.0 / base_tps
-    cycle = {k: r["tau"] / r["speculative_tokens_per_s"] for k, r in measured}
+    cycle = {num_speculative_tokens: r["tau"] / r["speculative_tokens_per_s"] for num_speculative_tokens, r in measured}
     acceptance = (report.get("cost_model") or {}).get("acceptance_per_position") or report.get(
         "per_position_acceptance") or []
     builtin_rows = {row["k"]: row for row in (report.get("cost_model") or {}).get("table") or []}
     builtin_step = ((report.get("cost_model") or {}).get("target") or {}).get("step_s")
-    ks = sorted(cycle)
+    decoded = sorted(cycle)
     rows = []
-    for k in range(1, ks[-1] + 1):
-        if k in cycle:
-            t_cycle = cycle[k]
-        elif k < ks[0]:
+    for num_speculative_tokens in range(1, decoded[-1] + 1):
+        if num_speculative_tokens in cycle:
+            t_cycle = cycle[num_speculative_tokens]
+        elif num_speculative_tokens < decoded[0]:
             continue
         else:  # between two decoded K
-            lo = max(j for j in ks if j < k)
-            hi = min(j for j in ks if j > k)
-            t_cycle = cycle[lo] + (cycle[hi] - cycle[lo]) * (k - lo) / (hi - lo)
-        tau = 1.0 + sum(acceptance[:k]) if k <= len(acceptance) else None
-        run = dict(measured).get(k)
-        b = builtin_rows.get(k) or {}
-        rows.append({"k": k, "t_cycle_s": t_cycle, "cycle_over_step": t_cycle / t_step, "predicted_tau": tau,
+            lo = max(j for j in decoded if j < num_speculative_tokens)
+            hi = min(j for j in decoded if j > num_speculative_tokens)
+            t_cycle = cycle[lo] + (cycle[hi] - cycle[lo]) * (num_speculative_tokens - lo) / (hi - lo)
+        tau = 1.0 + sum(acceptance[:num_speculative_tokens]) if num_speculative_tokens <= len(acceptance) else None
+        run = dict(measured).get(num_speculative_tokens)
+        b = builtin_rows.get(num_speculative_tokens) or {}
+        rows.append({"k": num_speculative_tokens, "t_cycle_s": t_cycle, "cycle_over_step": t_cycle / t_step,
+                     "predicted_tau": tau,
                      "predicted_speedup": tau * t_step / t_cycle if tau is not None else None,
                      "measured_tau": run["tau"] if run else None,
                      "measured_speedup": run["speedup"] if run else None,
@@ -314,7 +319,7 @@ def engine_cost_model(section: dict, method: str, report: dict) -> Optional[dict
                      "builtin_predicted_speedup": b.get("predicted_speedup"),
                      "builtin_measured_speedup": run.get("builtin_speedup") if run else None})
     return {"formula": "speedup(K) = tau(K) * t_step_engine / t_cycle_engine(K), vLLM's measured seconds",
-            "t_step_s": t_step, "decoded_k": ks, "table": rows}
+            "t_step_s": t_step, "decoded_k": decoded, "table": rows}
 
 
 def engine_recommendation(section: dict, drafter, setup, report: dict, target_model: str) -> Optional[dict]:
@@ -323,16 +328,18 @@ def engine_recommendation(section: dict, drafter, setup, report: dict, target_mo
             if r.get("loaded") and (name == drafter.method or name.startswith(f"{drafter.method}@K="))]
     if not rows:
         return None
-    k, best = max(rows, key=lambda kv: kv[1])
+    num_speculative_tokens, best = max(rows, key=lambda kv: kv[1])
     builtin = report.get("recommendation") or {}
     settings = {key: builtin[key] for key in ("vllm", "sglang") if key in builtin}
-    if builtin.get("k") != k or not settings:
+    if builtin.get("k") != num_speculative_tokens or not settings:
         d = setup.drafting
-        settings = serving_settings(drafter.method, drafter.engines, target_model, drafter.info.get("path"), k,
+        settings = serving_settings(drafter.method, drafter.engines, target_model, drafter.info.get("path"),
+                                    num_speculative_tokens,
                                     d.mode, d.tree_top_k, None, setup.cfg.ngram_min, setup.cfg.ngram_max)
     table = (section.get("cost_model") or {}).get("table") or []
-    predicted = next((r["predicted_speedup"] for r in table if r["k"] == k), None)  # the engine-calibrated model's
-    return {"k": k, "mode": setup.drafting.mode, "measured_speedup": best, "measured_by": "vllm",
+    # the engine-calibrated model's
+    predicted = next((r["predicted_speedup"] for r in table if r["k"] == num_speculative_tokens), None)
+    return {"k": num_speculative_tokens, "mode": setup.drafting.mode, "measured_speedup": best, "measured_by": "vllm",
             "predicted_speedup": predicted, "predicted_by": "the cost model calibrated to vLLM's measured seconds",
             "faster_than_target_only": best > 1.0,
             **{key: settings[key] for key in ("vllm", "sglang")}}

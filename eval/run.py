@@ -288,8 +288,8 @@ def method_proposers(cfg, drafter: Drafter) -> dict[str, Optional[Proposer]]:
     return proposers
 
 
-def sweep_name(method: str, k: int) -> str:
-    return f"{method}@K={k}"
+def sweep_name(method: str, num_speculative_tokens: int) -> str:
+    return f"{method}@K={num_speculative_tokens}"
 
 
 def add_sweep(setup: Setup, drafter: Drafter, proposers: dict[str, Optional[Proposer]]) -> None:
@@ -297,10 +297,10 @@ def add_sweep(setup: Setup, drafter: Drafter, proposers: dict[str, Optional[Prop
     if drafter.make is None:
         return
     d = setup.drafting
-    for k in dict.fromkeys(getattr(setup.cfg, "sweep_k", [])):
-        if k != d.num_speculative_tokens:
-            name = sweep_name(drafter.method, k)
-            setup.sweep[name] = dataclasses.replace(d, num_speculative_tokens=k)
+    for num_speculative_tokens in dict.fromkeys(getattr(setup.cfg, "sweep_k", [])):
+        if num_speculative_tokens != d.num_speculative_tokens:
+            name = sweep_name(drafter.method, num_speculative_tokens)
+            setup.sweep[name] = dataclasses.replace(d, num_speculative_tokens=num_speculative_tokens)
             proposers[name] = proposers[drafter.method]
 
 
@@ -352,12 +352,12 @@ def cost_report(setup: Setup, drafter: Drafter, samples: dict[str, list[metrics.
         return out
     base = samples[TARGET_ONLY]
     runs = {d.num_speculative_tokens: samples[main]}
-    runs.update({k.num_speculative_tokens: samples[name] for name, k in setup.sweep.items()})
+    runs.update({drafting.num_speculative_tokens: samples[name] for name, drafting in setup.sweep.items()})
     rows = []
-    for k, ss in sorted(runs.items()):
+    for num_speculative_tokens, ss in sorted(runs.items()):
         cmp = metrics.compare(ss, base)
         n_ver = sum(s.verifications for s in ss)
-        rows.append({"k": k, "tau": cmp["tau"], "speedup": cmp["speedup"],
+        rows.append({"k": num_speculative_tokens, "tau": cmp["tau"], "speedup": cmp["speedup"],
                      "tokens_per_s": cmp["speculative_tokens_per_s"],
                      "per_position_acceptance": cmp["per_position_acceptance"],
                      "draft_s_per_verification": sum(s.draft_seconds for s in ss) / max(n_ver, 1),
@@ -374,8 +374,8 @@ def cost_report(setup: Setup, drafter: Drafter, samples: dict[str, list[metrics.
     assert drafter.make is not None  # main is the head's method (target-only returned above)
     one_forward = bool(getattr(drafter.make(), "one_forward", False))  # its cost per cycle, whatever K
     clock = cost.decode_clock(base, runs)  # the decode's own seconds: what the prediction is made of (eval/cost.py)
-    table = cost.cost_table(measured, acceptance, rows, mode=d.mode, max_k=max(runs), one_forward=one_forward,
-                            clock=clock)
+    table = cost.cost_table(measured, acceptance, rows, mode=d.mode, max_num_speculative_tokens=max(runs),
+                            one_forward=one_forward, clock=clock)
     best = cost.best_measured(table)
     out["cost_model"] = {"target": measured, "acceptance_per_position": acceptance, "acceptance_from_k": longest["k"],
                          "decode_clock": clock, "table": table,
@@ -383,10 +383,12 @@ def cost_report(setup: Setup, drafter: Drafter, samples: dict[str, list[metrics.
                                     "t_draft(K))), t_step and t_verify from the decode's own clock"}
     # what the target's dtype costs here, measured (not assumed): one verification of K+1 tokens, in decode steps
     # (the cost table's row at K: the decode's own clock, as the prediction reads it)
-    k = d.num_speculative_tokens
-    ratio = next((r["verify_over_step"] for r in table if r["k"] == k and r["verify_tokens"] == k + 1), None)
-    out["target_dtype_cost"] = {"dtype": str(setup.target.model.dtype).replace("torch.", ""), "k": k,
-                                "verify_tokens": k + 1, "verify_over_step": ratio}
+    num_speculative_tokens = d.num_speculative_tokens
+    ratio = next((r["verify_over_step"] for r in table
+                  if r["k"] == num_speculative_tokens and r["verify_tokens"] == num_speculative_tokens + 1), None)
+    out["target_dtype_cost"] = {"dtype": str(setup.target.model.dtype).replace("torch.", ""),
+                                "k": num_speculative_tokens, "verify_tokens": num_speculative_tokens + 1,
+                                "verify_over_step": ratio}
     out["k_sweep"] = rows
     if best is not None:
         target_model = _hub_id(setup.target.target_id)

@@ -8,11 +8,10 @@ import types
 
 import pytest
 import torch
+from helpers import engines_of
 
 from draftsmith.eval import cost, decoder
 from draftsmith.eval.decoder import Draft, DraftingConfig, speculative_generate
-from draftsmith.eval.proposers.ngram import NGRAM_ENGINES
-from draftsmith.core.methods import METHODS
 from draftsmith.core.sampling import SamplingConfig
 
 V = 50
@@ -145,12 +144,6 @@ VLLM_KEYS = {"method", "model", "num_speculative_tokens", "parallel_drafting", "
 VLLM_METHODS = {"eagle3", "draft_model", "ngram"}
 
 
-def engines_of(method: str):
-    """What the engines call `method`: its row's Engines (ngram+<m> is served as <m>; ngram is eval's own)."""
-    base = method.split("+")[-1]
-    return NGRAM_ENGINES if base == "ngram" else METHODS[base].engines
-
-
 @pytest.mark.parametrize("method,mode", [("eagle3", "chain"), ("eagle3", "tree"), ("peagle", "chain"),
                                          ("draft", "chain"), ("ngram", "chain"), ("ngram+eagle3", "chain")])
 def test_recommended_settings_parse_as_the_engines_flags(method, mode):
@@ -243,5 +236,5 @@ def test_the_decodes_own_clock_holds_where_timed_passes_do_not(monkeypatch, k):
     assert row["timed_step_s"] == pytest.approx(0.042) and row["t_step_s"] == pytest.approx(0.03)
     # a K not decoded: the timed pass scaled by the decode/timed ratio of the nearest decoded K
     longer = acceptance + [0.1]  # an acceptance for K + 1 (a longer run's)
-    other = next(r for r in cost.cost_table(target, longer, [run], max_k=k + 1, clock=clock_) if r["k"] == k + 1)
+    other = next(r for r in cost.cost_table(target, longer, [run], max_num_speculative_tokens=k + 1, clock=clock_) if r["k"] == k + 1)
     assert other["t_verify_s"] == pytest.approx(runner.cost(k + 2), rel=0.01) and other["measured_speedup"] is None

@@ -4,7 +4,7 @@ The forward is the block drafter's (eval/proposers/kit.py `BlockProposer`: the c
 and the block [x_{L-1}, mask, ..., mask] at positions L-1 .. L-1+K, every query seeing every slot in use); the mask
 query at position L-1+k drafts x_{L-1+k}.
 
-The k mask rows are drafted as one chain by the shared kit (`OneForwardProposer`, `sample_chain`): a row's q does
+The K mask rows are drafted as one chain by the shared kit (`OneForwardProposer`, `sample_chain`): a row's q does
 not depend on the tokens drafted before it, so the decoder's rejection rule stays exact. Tree mode drafts the same
 chain.
 """
@@ -21,9 +21,9 @@ class DFlashProposer(BlockProposer):
     def __init__(self, head: DFlashHead, target_vocab_size: int, max_len: int):
         super().__init__(head, target_vocab_size, max_len, "DFlash")
 
-    def _forward(self, k: int) -> torch.Tensor:
-        """The k mask rows' logits (k, Vd) of the one block forward."""
-        return self.head.logits(self._block(k))[1:]
+    def _forward(self, num_speculative_tokens: int) -> torch.Tensor:
+        """The K mask rows' logits (K, Vd) of the one block forward."""
+        return self.head.logits(self._block(num_speculative_tokens))[1:]
 
 
 def proposer(head: DFlashHead, target_vocab_size: int, max_len: int) -> DFlashProposer:

@@ -30,12 +30,12 @@ class DSparkProposer(BlockProposer):
 
     @torch.inference_mode()
     def propose(self, drafting: DraftingConfig, sampling: SamplingConfig, generator=None) -> Draft:
-        k = drafting.num_speculative_tokens
-        self._check_k(k)
-        h = self._block(k)[1:]  # (k, H) the mask rows
+        num_speculative_tokens = drafting.num_speculative_tokens
+        self._check_num_speculative_tokens(num_speculative_tokens)
+        h = self._block(num_speculative_tokens)[1:]  # (K, H) the mask rows
         prev = torch.tensor(self.seq[-1], device=self.device)  # target id of the token before slot 1
         tokens, qs = [], []
-        for d in range(k):
+        for d in range(num_speculative_tokens):
             logits, conf = self.head.slot_outputs(h[d], prev)  # (Vd,), ()
             if drafting.stops_at(float(torch.sigmoid(conf))):  # dynamic draft length: the drafter expects a reject
                 break

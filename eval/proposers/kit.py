@@ -49,7 +49,7 @@ class ModelProposer:
 
     def propose(self, drafting: DraftingConfig, sampling: SamplingConfig, generator=None) -> Draft:
         chain = drafting.mode == "chain"
-        k = 1 if chain else drafting.tree_top_k  # children drafted per depth
+        children = 1 if chain else drafting.tree_top_k  # children drafted per depth
         budget = drafting.num_speculative_tokens if chain else drafting.tree_budget  # nodes in all
         sample = chain and not sampling.greedy  # one child x ~ q per depth; else the best-scoring children
         tokens: list[int] = []  # per node: target id, parent node (-1 = root), q over the target vocab
@@ -68,11 +68,11 @@ class ModelProposer:
                 par, score, qs = [frontier[0]], fscore, qs + [self._q_target(probs)]
             else:
                 lp = logits.double().log_softmax(-1)  # (m, Vo)
-                top = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)  # (m, k') each frontier node's best children
+                top = torch.topk(lp, min(children, lp.shape[-1]), dim=-1)  # (m, k') each frontier node's best children
                 if chain and drafting.stops_at(float(top.values[0, 0].exp())):  # dynamic draft length (its argmax)
                     break
                 cand = (fscore[:, None] + top.values).flatten()  # (m*k',) cumulative score; child j of row i at i*k'+j
-                best = torch.topk(cand, min(k, budget - len(tokens), cand.numel())).indices  # (n,) the kept children
+                best = torch.topk(cand, min(children, budget - len(tokens), cand.numel())).indices  # (n,) kept children
                 own = top.indices.flatten()[best]  # (n,) their own-vocab ids
                 par = [frontier[i] for i in (best // top.values.shape[1]).tolist()]  # flat index // k' = its row
                 score = cand[best]  # (n,)
@@ -106,20 +106,22 @@ def eval_head(head, target_vocab_size: int, method: str):
 
 def sample_chain(logits: torch.Tensor, draft_ids: torch.Tensor, target_vocab_size: int, drafting: DraftingConfig,
                  sampling: SamplingConfig, generator=None) -> Draft:
-    """The chain drafted from k rows of draft logits (k, Vd) computed in one forward (row d drafts depth d+1):
+    """The chain drafted from K rows of draft logits (K, Vd) computed in one forward (row d drafts depth d+1):
     argmax or one draw per row, q over the target vocab when sampled, cut before the first row whose top probability
     is below `drafting.stop_below` (so possibly empty)."""
-    k = drafting.num_speculative_tokens
+    num_speculative_tokens = drafting.num_speculative_tokens
     if sampling.greedy:
         own = logits.argmax(-1)
         q = None
-        top = logits.float().softmax(-1).max(-1).values  # (k,) each row's top probability (its argmax's)
+        top = logits.float().softmax(-1).max(-1).values  # (K,) each row's top probability (its argmax's)
     else:
-        probs = torch.stack([process_logits(row, sampling) for row in logits])  # (k, Vd)
+        probs = torch.stack([process_logits(row, sampling) for row in logits])  # (K, Vd)
         own = torch.multinomial(probs.float(), 1, generator=generator)[:, 0]
-        q = torch.zeros(k, target_vocab_size, dtype=probs.dtype, device=probs.device).index_copy_(1, draft_ids, probs)
-        top = probs.max(-1).values  # (k,) each row's top probability (read before, and apart from, the draw)
-    n = next((d for d, pr in enumerate(top.tolist()) if drafting.stops_at(pr)), k)  # dynamic length
+        q = torch.zeros(num_speculative_tokens, target_vocab_size, dtype=probs.dtype, device=probs.device)
+        q.index_copy_(1, draft_ids, probs)  # (K, V)
+        top = probs.max(-1).values  # (K,) each row's top probability (read before, and apart from, the draw)
+    # dynamic length
+    n = next((d for d, pr in enumerate(top.tolist()) if drafting.stops_at(pr)), num_speculative_tokens)
     return Draft(draft_ids[own[:n]].tolist(), list(range(-1, n - 1)), q[:n] if q is not None and n else None)
 
 
@@ -127,8 +129,8 @@ class OneForwardProposer:
     """A proposer whose drafter drafts the whole chain in one forward per cycle, on the target's features.
 
     Holds the drafter's KV cache (`max_len` slots), the committed sequence and the features not yet in the cache;
-    a subclass gives `_check_k(k)` (refuse a K the drafter was not trained for) and `_forward(k)` (the k rows of
-    draft logits, (k, Vd)). Tree mode drafts the same chain.
+    a subclass gives `_check_num_speculative_tokens(num_speculative_tokens)` (refuse a K the drafter was not trained
+    for) and `_forward(num_speculative_tokens)` (the K rows of draft logits, (K, Vd)). Tree mode drafts the same chain.
     """
 
     needs_aux = True
@@ -155,9 +157,10 @@ class OneForwardProposer:
 
     @torch.inference_mode()
     def propose(self, drafting: DraftingConfig, sampling: SamplingConfig, generator=None) -> Draft:
-        k = drafting.num_speculative_tokens
-        self._check_k(k)
-        return sample_chain(self._forward(k), self.draft_ids, self.V, drafting, sampling, generator)
+        num_speculative_tokens = drafting.num_speculative_tokens
+        self._check_num_speculative_tokens(num_speculative_tokens)
+        logits = self._forward(num_speculative_tokens)  # (K, Vd)
+        return sample_chain(logits, self.draft_ids, self.V, drafting, sampling, generator)
 
     def _pending_rows(self) -> torch.Tensor:
         """The pending features (T, 3H_t), there from the first `update` on (the decoder's first call after reset)."""
@@ -175,10 +178,10 @@ class OneForwardProposer:
             raise DraftsmithError(f"{self.method} proposer cache is full (max_len={self.max_len}); raise max_len.")
         return width
 
-    def _check_k(self, k: int) -> None:
+    def _check_num_speculative_tokens(self, num_speculative_tokens: int) -> None:
         raise NotImplementedError
 
-    def _forward(self, k: int) -> torch.Tensor:
+    def _forward(self, num_speculative_tokens: int) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -192,24 +195,26 @@ class BlockProposer(OneForwardProposer):
     slots L-1 .. L-1+K); every query sees every slot in use. The mask query at L-1+k drafts x_{L-1+k}. The query
     slots are overwritten by the next cycle's context, and nothing past the slots in use is ever read."""
 
-    def _check_k(self, k: int) -> None:
+    def _check_num_speculative_tokens(self, num_speculative_tokens: int) -> None:
         """Mask slots past the trained block were never trained: refuse, do not guess."""
-        if k > self.head.block_size - 1:
-            raise DraftsmithError(f"K={k} (drafting.num_speculative_tokens or sweep_k) is more than the "
-                                  f"{self.head.block_size - 1} tokens a block of this {self.method} head drafts "
-                                  f"(block_size {self.head.block_size} in its config.json); draft at most "
-                                  f"{self.head.block_size - 1}, or train with method.block_size={k + 1}.")
+        if num_speculative_tokens > self.head.block_size - 1:
+            raise DraftsmithError(f"K={num_speculative_tokens} (drafting.num_speculative_tokens or sweep_k) is more "
+                                  f"than the {self.head.block_size - 1} tokens a block of this {self.method} head "
+                                  f"drafts (block_size {self.head.block_size} in its config.json); draft at most "
+                                  f"{self.head.block_size - 1}, or train with method.block_size={num_speculative_tokens + 1}.")
 
-    def _block(self, k: int) -> torch.Tensor:
-        """Write the pending context and run the block [x_{L-1}, k masks] in one forward: its pre-norm hidden
-        (k+1, H), row 0 the bonus token's, row d the mask query that drafts depth d."""
+    def _block(self, num_speculative_tokens: int) -> torch.Tensor:
+        """Write the pending context and run the block [x_{L-1}, K masks] in one forward: its pre-norm hidden
+        (K+1, H), row 0 the bonus token's, row d the mask query that drafts depth d."""
         L, T, start = self._pending_span()  # the pending rows are positions [start, L-1)
-        width = self._slots_in_use(L + k)  # context 0 .. L-2, the block L-1 .. L-1+k
-        ids = torch.tensor([self.seq[-1]] + [self.head.mask_token_id] * k, device=self.device)[None]  # (1, k+1)
-        block_pos = torch.arange(L - 1, width, device=self.device)  # (k+1,)
+        width = self._slots_in_use(L + num_speculative_tokens)  # context 0 .. L-2, the block L-1 .. L-1+K
+        ids = torch.tensor([self.seq[-1]] + [self.head.mask_token_id] * num_speculative_tokens,
+                           device=self.device)[None]  # (1, K+1)
+        block_pos = torch.arange(L - 1, width, device=self.device)  # (K+1,)
         context = self.head.context(self._pending_rows()[None].to(self.device)) if T else None  # (1, T, H)
         ctx_pos = torch.arange(start, L - 1, device=self.device)  # (T,)
-        mask = torch.ones(1, 1, k + 1, width, dtype=torch.bool, device=self.device)  # every slot in use, both ways
+        # every slot in use, both ways
+        mask = torch.ones(1, 1, num_speculative_tokens + 1, width, dtype=torch.bool, device=self.device)
         h = self.head.trunk(ids, block_pos[None], context, ctx_pos[None] if T else None, mask, self.caches,
                             torch.cat([ctx_pos, block_pos]) if T else block_pos)
         self.pending = self._pending_rows()[:0]  # the context now sits in the cache

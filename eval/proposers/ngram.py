@@ -37,13 +37,13 @@ class NgramProposer:
         self.seq.extend(tokens)
 
     def propose(self, drafting: DraftingConfig, sampling: SamplingConfig, generator=None) -> Draft:
-        k, seq = drafting.num_speculative_tokens, self.seq
+        num_speculative_tokens, seq = drafting.num_speculative_tokens, self.seq
         for n in range(min(self.ngram_max, len(seq) - 1), self.ngram_min - 1, -1):
             pattern = seq[-n:]
             starts = range(len(seq) - n - 1, -1, -1)  # latest match first, never the suffix itself
             for j in (reversed(starts) if self.match == "earliest" else starts):
                 if seq[j:j + n] == pattern:
-                    cont = seq[j + n:j + n + k]
+                    cont = seq[j + n:j + n + num_speculative_tokens]
                     return Draft(cont, list(range(-1, len(cont) - 1)))
         return Draft.empty()
 

@@ -11,7 +11,7 @@ logits of entry L-2 draft x_L, those of mask slot d draft x_{L+d}. Entries stay 
 position, written once); the mask slots are overwritten by the next cycle's entries, and nothing past the
 slots in use is ever read.
 
-The k rows are drafted as one chain by the shared kit (eval/proposers/kit.py `OneForwardProposer`,
+The K rows are drafted as one chain by the shared kit (eval/proposers/kit.py `OneForwardProposer`,
 `sample_chain`): depth d's q does not depend on the tokens drafted before it, so the decoder's rejection rule
 stays exact. Tree mode drafts the same chain.
 """
@@ -31,21 +31,23 @@ class PEagleProposer(OneForwardProposer):
         with torch.inference_mode():
             self.mask_fused = head.mask_fused()  # (H,) every cycle's mask slots read it
 
-    def _check_k(self, k: int) -> None:
+    def _check_num_speculative_tokens(self, num_speculative_tokens: int) -> None:
         """Deeper mask slots than the trained depths were never trained: refuse, do not guess."""
         depths = getattr(self.head.config, "num_depths", None)
-        if depths is not None and k > depths:
-            raise DraftsmithError(f"K={k} (drafting.num_speculative_tokens or sweep_k) is more than the {depths} "
-                                  f"depths this P-EAGLE head was trained for (num_depths in its config.json); "
-                                  f"draft at most {depths} tokens, or train with method.depths={k}.")
+        if depths is not None and num_speculative_tokens > depths:
+            raise DraftsmithError(f"K={num_speculative_tokens} (drafting.num_speculative_tokens or sweep_k) is more "
+                                  f"than the {depths} depths this P-EAGLE head was trained for (num_depths in its "
+                                  f"config.json); draft at most {depths} tokens, or train with method.depths={num_speculative_tokens}.")
 
-    def _forward(self, k: int) -> torch.Tensor:
-        """Run the pending entries and k-1 mask slots in one forward; the k rows of draft logits."""
+    def _forward(self, num_speculative_tokens: int) -> torch.Tensor:
+        """Run the pending entries and K-1 mask slots in one forward; the K rows of draft logits."""
         L, T, start = self._pending_span()  # the pending rows are positions [start, L-1)
-        width = self._slots_in_use(L - 1 + k - 1)  # entries 0 .. L-2, mask slots L-1 .. L+k-3
-        ids = torch.tensor(self.seq[start + 1:] + [self.head.mask_token_id] * (k - 1), device=self.device)[None]
+        width = self._slots_in_use(L - 1 + num_speculative_tokens - 1)  # entries 0 .. L-2, mask slots L-1 .. L+K-3
+        ids = torch.tensor(self.seq[start + 1:] + [self.head.mask_token_id] * (num_speculative_tokens - 1),
+                           device=self.device)[None]
         fused = self.head.fuse(self._pending_rows()[None].to(self.device))  # (1, T, H)
-        hidden = torch.cat([fused, self.mask_fused.to(fused.dtype).expand(1, k - 1, -1)], dim=1)  # (1, T+k-1, H)
+        masks = self.mask_fused.to(fused.dtype).expand(1, num_speculative_tokens - 1, -1)  # (1, K-1, H)
+        hidden = torch.cat([fused, masks], dim=1)  # (1, T+K-1, H)
         pos = torch.arange(start, width, device=self.device)  # slot == position
         mask = (torch.arange(width, device=self.device)[None, :] <= pos[:, None])[None, None]  # (1, 1, N, width)
         _, logits = self.head(ids, hidden, pos[None], mask, self.caches, pos)
