@@ -178,11 +178,13 @@ def save_speculators_block(head: DFlashHead, folder: str | os.PathLike, tensors:
                            num_speculative_tokens: Optional[int], manifest_target: dict | None,
                            dtype: Optional[torch.dtype], include_embeddings: bool) -> Path:
     """Write a block drafter in speculators' format (atomically): `tensors(head, dtype, include_embeddings)` under
-    `config_json(head, verifier, K, dtype)`; K defaults to block_size - 1 (DFlash's and DSpark's writers)."""
-    k = head.block_size - 1 if num_speculative_tokens is None else int(num_speculative_tokens)
-    if k < 1:
-        raise DraftsmithError(f"export num_speculative_tokens={k} must be at least 1.")
+    `config_json(head, verifier, K, dtype)`; K defaults to block_size - 1 (DFlash's and DSpark's writers called
+    directly; export and publish always pass theirs, NUM_SPECULATIVE_TOKENS unless told)."""
+    if num_speculative_tokens is None:
+        num_speculative_tokens = head.block_size - 1
+    if num_speculative_tokens < 1:
+        raise DraftsmithError(f"export num_speculative_tokens={num_speculative_tokens} must be at least 1.")
     dtype = dtype or head.fc.weight.dtype
     return write_head_folder(Path(folder), tensors(head, dtype, include_embeddings),
-                             config_json(head, verifier, k, dtype), head.config.draft_vocab_size, manifest_target,
-                             "export", "speculators")
+                             config_json(head, verifier, num_speculative_tokens, dtype), head.config.draft_vocab_size,
+                             manifest_target, "export", "speculators")

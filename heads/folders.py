@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from draftsmith.core import DraftsmithError, llamacpp
 from draftsmith.core.artifacts import atomic_folder, atomic_write_json, claim_output, write_manifest
+from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS
 from draftsmith.core.layers import default_aux_layer_ids
 from draftsmith.core.trust import check_weights_file
 from draftsmith.heads.kit import DEFAULT_ROPE_THETA, draft_config_from_target
@@ -351,7 +352,7 @@ class FormatOptions:
     dtype: torch.dtype
     include_embeddings: bool = True
     verifier: Optional[str] = None  # speculators: the verifier's HF id or folder
-    num_speculative_tokens: int = 3  # speculators: the greedy proposal's length
+    num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS  # speculators: the greedy proposal's length (K)
     target_folder: Optional[Callable[[], Path]] = None  # -> the target's HF folder (config + tokenizer), when needed
     gguf_outtype: str = llamacpp.OUTTYPE  # gguf: the file's weight type (llama.cpp's --outtype), not `dtype`
 
