@@ -26,7 +26,8 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from draftsmith.core.engine import Engines
-from draftsmith.eval.decoder import tree_mask
+from draftsmith.eval.config import EvalConfig
+from draftsmith.eval.decoder import DraftingConfig, tree_mask
 
 
 # ---- the model ------------------------------------------------------------------------------
@@ -116,7 +117,7 @@ def decode_clock(target_only: Sequence, runs: Mapping[int, Sequence]) -> dict:
     return out
 
 
-def cost_table(target: dict, acceptance: Sequence[float], runs: Sequence[dict], mode: str = "chain",
+def cost_table(target: dict, acceptance: Sequence[float], runs: Sequence[dict], mode: str = DraftingConfig.mode,
                max_num_speculative_tokens: Optional[int] = None, one_forward: bool = False,
                clock: Optional[dict] = None) -> list[dict]:
     """One row per K: predicted tau and speedup, and (where K was decoded) the measured ones.
@@ -195,8 +196,10 @@ def best_measured(rows: Sequence[dict]) -> Optional[dict]:
 # ---- what to set ----------------------------------------------------------------------------
 
 def serving_settings(method: str, engines: Engines, target_model: str, head_path: Optional[str],
-                     num_speculative_tokens: int, mode: str = "chain", tree_top_k: int = 1, tree_size: Optional[int] = None, ngram_min: int = 1,
-                     ngram_max: int = 3, line_break: bool = False, stop_below: float = 0.0) -> dict:
+                     num_speculative_tokens: int, mode: str = DraftingConfig.mode,
+                     tree_top_k: int = DraftingConfig.tree_top_k, tree_size: Optional[int] = None,
+                     ngram_min: int = EvalConfig.ngram_min, ngram_max: int = EvalConfig.ngram_max,
+                     line_break: bool = False, stop_below: float = DraftingConfig.stop_below) -> dict:
     """vLLM's --speculative-config and SGLang's --speculative-* flags for `method` drafting
     `num_speculative_tokens` tokens (K).
 
@@ -244,8 +247,9 @@ def serving_settings(method: str, engines: Engines, target_model: str, head_path
     return out
 
 
-def llamacpp_settings(method: str, engines: Engines, num_speculative_tokens: int, ngram_max: int = 3, sep: str = " ",
-                      ngram_first: bool = False, stop_below: float = 0.0) -> dict:
+def llamacpp_settings(method: str, engines: Engines, num_speculative_tokens: int,
+                      ngram_max: int = EvalConfig.ngram_max, sep: str = " ", ngram_first: bool = False,
+                      stop_below: float = DraftingConfig.stop_below) -> dict:
     """llama-server's --spec-type and command for `method` at K (the target and drafter as GGUF files: export
     format=gguf writes the drafter). `ngram_first`: llama.cpp's mixing, n-gram lookup first, then the drafter.
     `stop_below` (eval's drafting.stop_below) is llama.cpp's --spec-draft-p-min, the same rule: the drafter's chain

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 from draftsmith.core import DraftsmithError, engine
 from draftsmith.core.engine import Engines
 from draftsmith.eval import metrics
-from draftsmith.eval.config import check_engine_options
+from draftsmith.eval.config import EvalConfig, check_engine_options
 from draftsmith.eval.cost import serving_settings
 from draftsmith.eval.proposers.ngram import NGRAM_ENGINES
 
@@ -48,7 +48,7 @@ def served_target(target) -> str:
 
 
 def speculative_config(method: str, engines: Engines, head: Optional[str], num_speculative_tokens: int,
-                       ngram_min: int = 1, ngram_max: int = 3) -> dict:
+                       ngram_min: int = EvalConfig.ngram_min, ngram_max: int = EvalConfig.ngram_max) -> dict:
     """vLLM's speculative_config for `method` (its row's `engines`) at K: the one eval recommends and publish's
     card prints."""
     spec = serving_settings(method, engines, "<target>", head, num_speculative_tokens, ngram_min=ngram_min,
