@@ -1,4 +1,6 @@
-"""Shared fixtures: targets (tiny for unit tests, SmolLM2 for the few slow ones) and config composition."""
+"""Shared fixtures: targets (tiny for unit tests, SmolLM2 for the few slow ones), config composition, tiny data and
+questions, the engines and what their modules share. pytest finds them here: no test module imports conftest (the
+plain functions and constants the tests share are in helpers.py)."""
 
 from __future__ import annotations
 
@@ -6,13 +8,13 @@ import collections
 import dataclasses
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import MADE_ONCE_LOG, builtin_decode, made_once, make_tiny_data, shared_path
 
 # The engine tests read vLLM's counters, never its speed: its engine core runs in the worker's own process instead of
 # one spawned per LLM (~5 s a start instead of ~36 s on 2 cores). Measured equal, tokens, counters and per-request
@@ -64,6 +66,38 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory):
+    """Four questions in two categories (writing, math), the first of two turns: question.jsonl's path."""
+    path = tmp_path_factory.mktemp("prompts") / "question.jsonl"
+    rows = [
+        {"question_id": 1, "category": "writing", "turns": ["Write a poem.", "Shorter."]},
+        {"question_id": 2, "category": "math", "turns": ["What is 2+2?"]},
+        {"question_id": 3, "category": "math", "turns": ["What is 3*3?"]},
+        {"question_id": 4, "category": "writing", "turns": ["Say hi."]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """12 rows of offline data (hidden states included) from the tiny target."""
+    from draftsmith.data_gen.target import TargetConfig, load_target
+
+    return make_tiny_data(tmp_path_factory.mktemp("data"), load_target(TargetConfig(name="tiny", dtype="float32")),
+                          n=12, hidden_states=True)
+
+
+@pytest.fixture
+def verifier_folder(tiny_target, tmp_path, monkeypatch):
+    """The tiny target as an HF folder: speculators reads the verifier's config and norm from it (offline)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = tmp_path / "verifier"
+    tiny_target.model.save_pretrained(folder)
+    return folder
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(items):
     """Every test that needs an engine (the engine_ready or llamacpp_ready fixture, directly or through another
@@ -89,48 +123,6 @@ def pytest_collection_modifyitems(items):
 # other worker starts on a long module that needs none of them, where it would otherwise sit on their locks for the
 # first ~90 s (data-gen, then the EAGLE-3 head). Its next module (an engine one) finds them made.
 FIRST = ("test_engine_vllm", "test_decoder_sampling")
-
-
-def shared_path(tmp_path_factory, name: str) -> Path:
-    """A path that every pytest-xdist worker of this test run sees: the run's base temp (a worker's own is a folder
-    in it), fresh for each run."""
-    base = tmp_path_factory.getbasetemp()
-    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
-
-
-MADE_ONCE_LOG = "made-once.jsonl"  # made_once's timings, in the run's base temp (shared_path's parent)
-
-
-def made_once(path: Path, make) -> Path:
-    """`path`, made by `make(path)` once per test run: the first worker to ask makes it while the others wait on its
-    lock, then read it. A make that failed leaves no `.done`: the next to ask starts again from nothing."""
-    from filelock import FileLock
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    with FileLock(f"{path}.lock"):
-        done = Path(f"{path}.done")
-        waited = time.perf_counter() - t0
-        if not done.exists():
-            if path.is_dir():
-                shutil.rmtree(path)
-            path.unlink(missing_ok=True)
-            make(path)
-            done.touch()
-            log_made(path, "made", time.perf_counter() - t0 - waited)
-        elif waited > 1:  # this worker sat idle while another made it
-            log_made(path, "waited for", waited)
-    return path
-
-
-def log_made(path: Path, what: str, seconds: float) -> None:
-    """One line of the summary's "made once" section (pytest_terminal_summary), in the run's base temp."""
-    from filelock import FileLock
-
-    log_path = path.parent.parent / MADE_ONCE_LOG
-    with FileLock(f"{log_path}.lock"), open(log_path, "a") as log:
-        log.write(json.dumps({"what": what, "name": f"{path.parent.name}/{path.name}", "seconds": seconds,
-                              "worker": os.environ.get("PYTEST_XDIST_WORKER", "-")}) + "\n")
 
 
 @pytest.fixture(scope="session")
@@ -244,34 +236,6 @@ def engine_head(engine_data, tmp_path_factory):
         return made_once(shared_path(tmp_path_factory, "engine-heads") / name, make) / "final"
 
     return head
-
-
-# What every engine module decodes: ENGINE_PROMPTS of engine_data's prompts, greedy, fp32, K = ENGINE_K
-ENGINE_PROMPTS, ENGINE_K = 6, 3
-
-
-def builtin_decode(engine_data, method: str, head, max_tokens: int, out: Path) -> list:
-    """The built-in decoder on the engine modules' prompts: `method` (target_only, ngram with vLLM's earliest-match
-    rule, or a head's method with its `head` folder), one Sample per turn, counted as eval's decode_all counts them
-    (without its comparison with target-only, which another reading holds)."""
-    from draftsmith.configs import compose
-    from draftsmith.eval import run as ev
-
-    cfg = compose("eval", ["target=smollm2", "target.dtype=float32", "head=ngram", "prompts.source=holdout",
-                           f"prompts.path={engine_data}", f"prompts.holdout={ENGINE_PROMPTS}",
-                           f"max_new_tokens={max_tokens}", "repeats=1", "warmup_prompts=0", "progress=false",
-                           f"drafting.num_speculative_tokens={ENGINE_K}",
-                           "ngram_match=earliest",  # vLLM's n-gram rule (the default copies the latest)
-                           f"out={out}"])
-    setup = ev.prepare(cfg)  # head=ngram: the prompts are chosen alike for every method
-    proposer = None
-    if method == "ngram":
-        proposer = ev.ngram_proposer(cfg)
-    elif method != ev.TARGET_ONLY:
-        cfg.head = str(head)
-        proposer = ev.load_drafter(cfg, setup.target, setup.runner.max_len).make()
-    return [ev.to_sample(prompt.category, [turn]) for prompt in setup.prompts
-            for turn in setup.decode(proposer, prompt, method)]
 
 
 @pytest.fixture(scope="session")

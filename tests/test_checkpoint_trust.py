@@ -17,7 +17,7 @@ from draftsmith.train import checkpoint as ckpt
 from draftsmith.train.config import DeepSpeedConfig, TrainConfig
 from draftsmith.train.eagle3 import Eagle3Config
 from draftsmith.train.run import run
-from test_train_data import make_tiny_data
+from helpers import make_tiny_data
 
 MODEL = "mp_rank_00_model_states.pt"
 OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"

@@ -134,11 +134,11 @@ def test_null_assistant_content_and_text_parts(tmp_path):
     assert s["messages"] == [{"role": "user", "content": "ab"}, {"role": "assistant", "content": ""}]
 
 
-def test_records_without_user_turn_are_skipped_and_reported(tmp_path, capsys):
+def test_records_without_user_turn_are_skipped_and_reported(tmp_path, caplog):
     path = write_jsonl(tmp_path / "s.jsonl", [
         {"conversations": [{"from": "gpt", "value": "x"}]},
         {"conversations": [{"from": "human", "value": "q"}]},
         {"conversations": []},
     ])
     assert len(load_prompts(PromptsConfig(source="sharegpt", path=path, n=None))) == 1
-    assert f"prompts: skipped 2 record(s) of {path} without a user turn (lines 1, 3)." in capsys.readouterr().err
+    assert f"prompts: skipped 2 record(s) of {path} without a user turn (lines 1, 3)." in caplog.text

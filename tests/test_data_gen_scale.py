@@ -8,6 +8,7 @@ few seconds, and only when the behaviour under test is missing."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import threading
 import time
@@ -277,7 +278,7 @@ def test_the_next_chunk_is_asked_for_before_the_slowest_answer_returns(compose_c
 
 
 def test_a_run_killed_while_chunks_overlap_resumes_from_its_written_chunks(compose_cfg, questions, tmp_path, server,
-                                                                          monkeypatch, capfd):
+                                                                          monkeypatch, caplog):
     data_gen(compose_cfg, questions, tmp_path / "whole", server["url"])
     real = mf.atomic_write_bytes
 
@@ -294,9 +295,9 @@ def test_a_run_killed_while_chunks_overlap_resumes_from_its_written_chunks(compo
         ["chunk_00000.json", "chunk_00001.json"]
 
     server["events"].clear()
-    capfd.readouterr()
+    caplog.set_level(logging.INFO, logger="draftsmith")
     data_gen(compose_cfg, questions, tmp_path / "killed", server["url"])
-    assert "reusing 8 of 16 prompts already regenerated" in capfd.readouterr().err
+    assert "reusing 8 of 16 prompts already regenerated" in caplog.text
     assert sorted(key for kind, key in server["events"] if kind == "post") == sorted(QUESTIONS[8:])
     assert written(tmp_path / "killed") == written(tmp_path / "whole")
 

@@ -5,11 +5,10 @@ control failing)."""
 
 import pytest
 import torch
-from method_checks import (SAMPLING_V, check_draft_forwards_attend_only_to_the_slots_in_use,
-                           check_drafts_match_from_scratch, check_greedy_is_token_identical_to_target_only,
-                           init_from_used_tokens, randomize_weights, RecordsForwards, speculative_sampling_pvalue,
-                           statistical_sampling_tests)
-from test_decoder_peagle import _target
+from helpers import (RecordsForwards, SAMPLING_V, check_draft_forwards_attend_only_to_the_slots_in_use,
+                     check_drafts_match_from_scratch, check_greedy_is_token_identical_to_target_only,
+                     init_from_used_tokens, peaked_llama, randomize_weights, speculative_sampling_pvalue,
+                     statistical_sampling_tests)
 
 from draftsmith.eval.decoder import DraftingConfig, SamplingConfig, speculative_generate
 from draftsmith.eval.proposers.dflash import DFlashProposer
@@ -51,7 +50,7 @@ def _from_scratch(head, target, seq, k):
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])
 def test_one_forward_per_cycle_drafts_what_the_drafter_computes_from_scratch(sampling):
-    target = _target(12)
+    target = peaked_llama(12)
     head = _head(target, [0, 1, 2, 4, 5, 7, 8, 10, 11])
     _, proposer = check_drafts_match_from_scratch(RecordingProposer, head, target, AUX, sampling, _from_scratch, 4)
     assert len(proposer.rounds) > 3
@@ -59,14 +58,14 @@ def test_one_forward_per_cycle_drafts_what_the_drafter_computes_from_scratch(sam
 
 def test_draft_forwards_attend_only_to_the_slots_in_use(monkeypatch):
     V = 12
-    target = _target(V)
+    target = peaked_llama(V)
     proposer = DFlashProposer(_head(target, list(range(V))), V, 4096)
     check_draft_forwards_attend_only_to_the_slots_in_use(monkeypatch, proposer, target, AUX, extra_slots=1)
 
 
 def test_stop_below_shortens_the_chain_only():
     V, K = 12, 5
-    target = _target(V)
+    target = peaked_llama(V)
     head = _head(target, list(range(V)), scale=0.2)  # flat drafts: most probabilities are low
     prompt = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
     runner = TargetRunner(target, 96, AUX)
@@ -88,7 +87,7 @@ def test_more_tokens_than_a_trained_block_is_refused():
     from draftsmith.core import DraftsmithError
 
     V = 12
-    target = _target(V)
+    target = peaked_llama(V)
     proposer = DFlashProposer(_head(target, list(range(V)), block_size=4), V, 96)
     with pytest.raises(DraftsmithError, match=r"K=4 .* more than the 3 tokens a block of this DFlash head drafts"):
         speculative_generate(TargetRunner(target, 96, AUX), proposer, torch.tensor([3, 1, 4]), 8, SamplingConfig(),
@@ -109,7 +108,7 @@ def test_greedy_is_token_identical_to_target_only(k):
 
 
 def _sampled_pvalue(sampling):
-    target = _target(SAMPLING_V, seed=0, scale=60, layers=1)
+    target = peaked_llama(SAMPLING_V, seed=0, scale=60, layers=1)
     runner = TargetRunner(target, 32, [0, 1, 1])
     head = _head(target, [0, 1, 2, 4, 5, 7], seed=3, layers=2, scale=60, aux=[0, 1, 1])
     return speculative_sampling_pvalue(runner, DFlashProposer(head, SAMPLING_V, 32), target, sampling)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import draft_llama, eagle3_head_f64, repetitive_prompt
 
 from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target
@@ -11,7 +11,6 @@ from draftsmith.eval.proposers.draft import DraftModelProposer
 from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
 from draftsmith.eval.proposers.ngram import NgramProposer
 from draftsmith.eval.target_runner import TargetRunner
-from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
 
 GREEDY = SamplingConfig()
 CHAIN = DraftingConfig(mode="chain", num_speculative_tokens=4)
@@ -27,29 +26,6 @@ def tiny(one_thread):
     return target, TargetRunner(target.model, 256, target.aux_layer_ids)
 
 
-def _repetitive_prompt(n=24, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    base = torch.randint(0, 256, (6,), generator=g)
-    return torch.cat([base, base, base, base])[:n]
-
-
-def _draft_llama(vocab, seed):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    return LlamaForCausalLM(cfg).double().eval()
-
-
-def _eagle_head(target, draft_vocab=200, seed=0, **norms):
-    torch.manual_seed(seed)
-    head = Eagle3Head(eagle3_config_from_target(target.model.config, draft_vocab, **norms)).double().eval()
-    used = torch.sort(torch.randperm(target.vocab_size)[:draft_vocab]).values
-    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
-    t2d[used] = True
-    head.init_from_target(target.model, used - torch.arange(draft_vocab), t2d)
-    return head
-
-
 def _self_draft(target):
     """A draft model identical to the target: every draft is accepted (exercises the bonus path)."""
     return DraftModelProposer(target.model, target.vocab_size, 256)
@@ -58,10 +34,10 @@ def _self_draft(target):
 def _proposers(target):
     return {
         "ngram": NgramProposer(ngram_max=3, ngram_min=1),
-        "eagle3": Eagle3Proposer(_eagle_head(target), target.vocab_size, 256),
-        "eagle3_all_norms": Eagle3Proposer(_eagle_head(target, norm_before_fc=True, fc_norm=True, norm_output=True),
+        "eagle3": Eagle3Proposer(eagle3_head_f64(target), target.vocab_size, 256),
+        "eagle3_all_norms": Eagle3Proposer(eagle3_head_f64(target, norm_before_fc=True, fc_norm=True, norm_output=True),
                                            target.vocab_size, 256),  # EAGLE-3.1's norms
-        "draft_model": DraftModelProposer(_draft_llama(target.vocab_size, 1), target.vocab_size, 256),
+        "draft_model": DraftModelProposer(draft_llama(target.vocab_size, 1), target.vocab_size, 256),
         "self": _self_draft(target),
     }
 
@@ -71,7 +47,7 @@ def test_greedy_matches_target_only_and_hf_generate(tiny, drafting):
     target, runner = tiny
     proposers = _proposers(target)
     for seed in range(3):
-        prompt = _repetitive_prompt(seed=seed)
+        prompt = repetitive_prompt(seed=seed)
         ref = speculative_generate(runner, None, prompt, 40, GREEDY, drafting, eos_token_ids=[])
         hf = target.model.generate(prompt[None], attention_mask=torch.ones(1, prompt.numel(), dtype=torch.long),
                                    max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -87,7 +63,7 @@ def test_greedy_matches_target_only_and_hf_generate(tiny, drafting):
 
 def test_eos_and_max_new_tokens_truncate_exactly(tiny):
     target, runner = tiny
-    prompt = _repetitive_prompt()
+    prompt = repetitive_prompt()
     ref = speculative_generate(runner, None, prompt, 30, GREEDY, CHAIN, eos_token_ids=[])
     eos = ref.tokens[7]
     first = ref.tokens.index(eos)
@@ -102,7 +78,7 @@ def test_eos_and_max_new_tokens_truncate_exactly(tiny):
 
 def test_stats_are_consistent(tiny):
     target, runner = tiny
-    prompt = _repetitive_prompt()
+    prompt = repetitive_prompt()
     res = speculative_generate(runner, _self_draft(target), prompt, 21,
                                GREEDY, CHAIN, eos_token_ids=[])
     assert sum(res.emitted_per_verification) + 1 == len(res.tokens) == 21
@@ -127,12 +103,12 @@ def test_bad_inputs(tiny):
     with pytest.raises(DraftsmithError):
         NgramProposer(ngram_max=1, ngram_min=2)
     with pytest.raises(DraftsmithError):  # a head for another vocabulary
-        Eagle3Proposer(_eagle_head(target), target.vocab_size + 1, 64)
+        Eagle3Proposer(eagle3_head_f64(target), target.vocab_size + 1, 64)
     with pytest.raises(DraftsmithError):
         speculative_generate(runner, None, torch.tensor([1, 2]), 10_000, GREEDY, CHAIN, eos_token_ids=[])
     no_aux = TargetRunner(target.model, 64, None)
     with pytest.raises(DraftsmithError):
-        speculative_generate(no_aux, Eagle3Proposer(_eagle_head(target), target.vocab_size, 64), torch.tensor([1, 2]),
+        speculative_generate(no_aux, Eagle3Proposer(eagle3_head_f64(target), target.vocab_size, 64), torch.tensor([1, 2]),
                              4, GREEDY, CHAIN, eos_token_ids=[])
 
 
@@ -207,7 +183,7 @@ def test_fp32_weight_first_verification_stays_greedy_identical(one_thread):
     weight-first logits of a pass equal torch's linear within fp32 rounding."""
     target = load_target(TargetConfig(name="tiny", dtype="float32"))
     runner = TargetRunner(target.model, 256, target.aux_layer_ids)
-    ids = _repetitive_prompt()
+    ids = repetitive_prompt()
     a, _ = runner.forward(ids[:6], torch.arange(6), 0)
     runner.weight_first = False
     b, _ = runner.forward(ids[:6], torch.arange(6), 0)

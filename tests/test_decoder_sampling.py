@@ -2,10 +2,7 @@
 
 import pytest
 import torch
-from method_checks import N_RUNS, PROMPT, SAMPLING_V, sampled_joint_counts  # noqa: F401  (read by other tests)
-from method_checks import chi2_pvalue as _chi2_pvalue  # the names other tests read here
-from method_checks import exact_joint as _exact_joint
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import SAMPLING_V, chi2_pvalue, exact_joint, sampled_joint_counts, sampling_eagle3_head, sampling_llama
 
 from draftsmith.eval import decoder
 from draftsmith.eval.decoder import (DraftingConfig, SamplingConfig, accept_probability, process_logits,
@@ -14,7 +11,6 @@ from draftsmith.eval.proposers.draft import DraftModelProposer
 from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
 from draftsmith.eval.proposers.ngram import NgramProposer
 from draftsmith.eval.target_runner import TargetRunner
-from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
 
 V = SAMPLING_V  # tiny vocabulary: the joint of two generated tokens has 64 cells
 
@@ -22,33 +18,9 @@ V = SAMPLING_V  # tiny vocabulary: the joint of two generated tokens has 64 cell
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-def _llama(seed, scale):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                      tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).double().eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(scale)  # spread the logits so p and q differ a lot
-    return model
-
-
-def _eagle(target):
-    torch.manual_seed(3)
-    head = Eagle3Head(eagle3_config_from_target(target.config, 6)).double().eval()
-    with torch.no_grad():
-        head.lm_head.weight.mul_(60)
-    used = torch.tensor([0, 1, 2, 4, 5, 7])
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[used] = True
-    head.d2t.copy_(used - torch.arange(6))
-    head.t2d.copy_(t2d)
-    return head
-
-
 @pytest.fixture(scope="module")
 def setup():
-    target = _llama(0, 60)
+    target = sampling_llama(0, 60)
     runner = TargetRunner(target, 32, [0, 1, 1])
     return target, runner
 
@@ -67,8 +39,8 @@ def _proposer(kind, target):
     if kind == "ngram":
         return NgramProposer(ngram_max=3, ngram_min=1)
     if kind == "eagle3":
-        return Eagle3Proposer(_eagle(target), V, 32)
-    return DraftModelProposer(_llama(1, 60), V, 32)
+        return Eagle3Proposer(sampling_eagle3_head(target), V, 32)
+    return DraftModelProposer(sampling_llama(1, 60), V, 32)
 
 
 @pytest.mark.slow  # 2500 seeded generations each
@@ -76,9 +48,9 @@ def _proposer(kind, target):
 def test_sampling_matches_target_distribution(setup, case):
     target, runner = setup
     kind, sampling, drafting = CASES[case]
-    exact = _exact_joint(target, sampling)
+    exact = exact_joint(target, sampling)
     counts, _ = sampled_joint_counts(runner, _proposer(kind, target), sampling, drafting)
-    pval, stat, df = _chi2_pvalue(counts, exact)
+    pval, stat, df = chi2_pvalue(counts, exact)
     tv = 0.5 * (counts / counts.sum() - exact).abs().sum()
     print(f"{case}: chi2={stat:.1f} df={df} p={pval:.3g} TV={tv:.3f}")
     assert pval > 1e-3, (case, stat, df, tv)
@@ -91,9 +63,9 @@ def test_negative_control_resampling_from_p_fails(setup, case, monkeypatch):
     target, runner = setup
     kind, sampling, drafting = CASES[case]
     monkeypatch.setattr(decoder, "residual_distribution", lambda p, q: p)
-    exact = _exact_joint(target, sampling)
+    exact = exact_joint(target, sampling)
     counts, _ = sampled_joint_counts(runner, _proposer(kind, target), sampling, drafting)
-    pval, stat, df = _chi2_pvalue(counts, exact)
+    pval, stat, df = chi2_pvalue(counts, exact)
     print(f"wrong sampler {case}: chi2={stat:.1f} df={df} p={pval:.3g}")
     assert pval < 1e-4  # the correct sampler passes p > 1e-3 on the same seed
 
@@ -103,7 +75,7 @@ def test_target_only_sampling_matches(setup):
     target, runner = setup
     sampling = SamplingConfig(temperature=1.0)
     counts, _ = sampled_joint_counts(runner, None, sampling, DraftingConfig())
-    assert _chi2_pvalue(counts, _exact_joint(target, sampling))[0] > 1e-3
+    assert chi2_pvalue(counts, exact_joint(target, sampling))[0] > 1e-3
 
 
 def _rule_output(p, q):

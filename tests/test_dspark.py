@@ -11,14 +11,10 @@ import math
 
 import pytest
 import torch
-from method_checks import (SAMPLING_V, check_greedy_is_token_identical_to_target_only, check_resume_is_exact,
-                           init_from_used_tokens, randomize_weights, speculative_sampling_pvalue,
-                           statistical_sampling_tests, tiny_train_cfg, tiny_training_rows)
-from method_checks import tiny_data  # noqa: F401  (a fixture)
+from helpers import (SAMPLING_V, check_greedy_is_token_identical_to_target_only, check_resume_is_exact, eval_cfg,
+                     init_from_used_tokens, peaked_llama, randomize_weights, speculative_sampling_pvalue,
+                     statistical_sampling_tests, tiny_train_cfg, tiny_training_rows)
 from safetensors.torch import load_file
-from test_decoder_peagle import _target
-from test_eval_run import eval_cfg
-from test_eval_run import questions  # noqa: F401  (a fixture)
 
 from draftsmith.core import DraftsmithError
 from draftsmith.core.methods import method_for_folder, methods
@@ -312,7 +308,7 @@ def from_scratch(head, target, seq, prevs, k):
                                       SamplingConfig(temperature=0.8, top_k=5, top_p=0.9)],
                          ids=["greedy", "T1", "topk-topp"])
 def test_slot_by_slot_drafts_are_what_the_drafter_computes_from_scratch(sampling):
-    target = _target(12)
+    target = peaked_llama(12)
     head = _head(target, [0, 1, 2, 4, 5, 7, 8, 10, 11])
     proposer = RecordingProposer(head, 12, 96)
     res = speculative_generate(TargetRunner(target, 96, AUX), proposer, torch.tensor([3, 1, 4, 1, 5, 9, 2, 6]), 40,
@@ -331,7 +327,7 @@ def test_slot_by_slot_drafts_are_what_the_drafter_computes_from_scratch(sampling
 
 def test_stop_below_stops_before_the_first_unsure_slot_and_stays_lossless():
     V, K, stop = 12, 5, 0.5
-    target = _target(V)
+    target = peaked_llama(V)
     head = _head(target, list(range(V)))
     with torch.no_grad():
         head.confidence_head.proj.bias.zero_()  # confidences on both sides of 1/2
@@ -355,7 +351,7 @@ def test_stop_below_stops_before_the_first_unsure_slot_and_stays_lossless():
 
 
 def test_more_tokens_than_a_trained_block_is_refused():
-    target = _target(12)
+    target = peaked_llama(12)
     proposer = DSparkProposer(_head(target, list(range(12)), block_size=4), 12, 96)
     with pytest.raises(DraftsmithError, match=r"K=4 .* more than the 3 tokens a block of this DSpark head drafts"):
         speculative_generate(TargetRunner(target, 96, AUX), proposer, torch.tensor([3, 1, 4]), 8, SamplingConfig(),
@@ -372,7 +368,7 @@ def test_greedy_is_token_identical_to_target_only(k):
 
 
 def _sampled_pvalue(sampling):
-    target = _target(SAMPLING_V, seed=0, scale=60, layers=1)
+    target = peaked_llama(SAMPLING_V, seed=0, scale=60, layers=1)
     runner = TargetRunner(target, 32, [0, 1, 1])
     head = _head(target, [0, 1, 2, 4, 5, 7], seed=3, layers=2, aux=[0, 1, 1])
     with torch.no_grad():

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from test_heads_checkpoint import logits_of, random_head, random_inputs
+from helpers import logits_of, random_head, random_inputs
 
 from draftsmith.core import DraftsmithError
 from draftsmith.heads.eagle3_folders import load_eagle3, save_eagle3, save_speculators

@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import types
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import pytest
 from draftsmith.core import DraftsmithError, engine
 from draftsmith.eval import engine_vllm as ev_engine
 from draftsmith.eval.metrics import Sample
-from test_eval_cost import engines_of
+from helpers import engines_of
 
 ROOT = Path(__file__).resolve().parent.parent
 

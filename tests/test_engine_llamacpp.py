@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import ENGINE_K
+from helpers import ENGINE_K
 
 from draftsmith.core import engine, llamacpp
 from draftsmith.configs import compose

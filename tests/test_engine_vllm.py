@@ -18,20 +18,17 @@ from __future__ import annotations
 
 import json
 import platform
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from helpers import ENGINE_K, ENGINE_PROMPTS, counters_job, edited_copy, engine_run
 
 from draftsmith.core import engine
 from draftsmith.configs import compose
 from draftsmith.eval import engine_vllm as ev_engine
 from draftsmith.eval import run as ev
 from draftsmith.export import run as export
-from conftest import ENGINE_K, ENGINE_PROMPTS
-from test_eval_cost import engines_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(5400)]
 
@@ -50,21 +47,6 @@ BROKEN = {"eagle3_d2t_zeroed": "eagle3", "eagle3_norm_before_residual_flipped": 
 
 
 # --------------------------------------------------------------------------- the exports
-
-def edited_copy(src: Path, dst: Path, config: dict | None = None, drop: tuple[str, ...] = (),
-                tensors=None) -> Path:
-    """A copy of an export folder with config.json keys set (or dropped) and tensors rewritten."""
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(config or {})
-    for key in drop:
-        cfg.pop(key, None)
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    if tensors is not None:
-        state = load_file(dst / "model.safetensors")
-        save_file(tensors(state), str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
 
 def broken_exports(x: dict[str, Path], root: Path) -> dict[str, Path]:
     """The negative controls: each a working export with one thing an engine reads made wrong."""
@@ -107,17 +89,6 @@ def exports(engine_data, engine_head, tmp_path_factory, smollm2_target):
 
 # --------------------------------------------------------------------------- measured once, in both
 
-def engine_run(name: str, folder, k: int = K, parallel: bool | None = None) -> dict:
-    """One run of the job: speculators folders are served as the model (their speculators_config says the rest)."""
-    if name.startswith("speculators") or name.startswith("peagle_speculators"):
-        return {"name": name, "k": k, "model": str(folder), "speculative_config": None}
-    method = {"peagle": "peagle", "draft": "draft", "ngram": "ngram"}.get(name.split("_")[0], "eagle3")
-    spec = ev_engine.speculative_config(method, engines_of(method), None if method == "ngram" else str(folder), k)
-    if parallel is False:
-        spec.pop("parallel_drafting", None)
-    return {"name": name, "k": k, "speculative_config": spec}
-
-
 @pytest.fixture(scope="module")
 def measured(exports, builtin_samples, smollm2_target):
     """(built-in samples per method, the engine's result): the same prompts, greedy, fp32, K = 3. The built-in
@@ -128,16 +99,6 @@ def measured(exports, builtin_samples, smollm2_target):
     runs.append(engine_run("peagle_without_parallel_drafting", exports["peagle"], parallel=False))
     runs.append(engine_run("eagle3_bf16", exports["eagle3_bf16"]))
     return samples, counters_job(smollm2_target, samples, MAX_TOKENS, runs)
-
-
-def counters_job(target, samples: dict, max_tokens: int, runs: list[dict]) -> dict:
-    """The engine's result for target-only + `runs` on the prompts of the built-in target-only samples: greedy,
-    fp32, every prompt in one call (counters only: nothing timed, no warm-up)."""
-    job = ev_engine.engine_job(ev_engine.served_target(target), [s.prompt_ids for s in samples[ev.TARGET_ONLY]],
-                               max_tokens, target.eos_token_ids,
-                               [{"name": ev_engine.TARGET_ONLY, "speculative_config": None}] + runs,
-                               warmup=0, batch=True)
-    return engine.run_job(job, timeout_s=3600)
 
 
 def test_target_only_identical(measured):

@@ -24,8 +24,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import pytest
-from conftest import builtin_decode
-from test_engine_vllm import counters_job, edited_copy
+from helpers import builtin_decode, counters_job, edited_copy
 
 from draftsmith.configs import compose
 from draftsmith.eval import engine_vllm as ev_engine

@@ -21,7 +21,7 @@ import json
 
 import pytest
 from safetensors import safe_open
-from test_engine_vllm import K, counters_job, edited_copy, engine_run
+from helpers import ENGINE_K, counters_job, edited_copy, engine_run
 
 from draftsmith.configs import compose
 from draftsmith.eval import engine_vllm as ev_engine
@@ -74,7 +74,7 @@ def test_eagle31_export_in_engine(measured, record_property):
     assert base["ok"], base.get("error")
     assert run["ok"], f"vLLM refused {WORKING}: {run.get('error')}"
     assert run["tokens"] == base["tokens"] == [s.tokens for s in samples["target_only"]]
-    agree = ev_engine.agreement(samples[WORKING], run, K)
+    agree = ev_engine.agreement(samples[WORKING], run, ENGINE_K)
     record_property("agreement", agree)
     print(WORKING, agree)
     assert agree["equal"], agree
@@ -87,7 +87,7 @@ def test_norm_output_dropped_fails_tau_equality(measured, record_property):
     samples, result = measured
     run = result["runs"][BROKEN]
     assert run["ok"], f"vLLM refused {BROKEN}: {run.get('error')}"
-    agree = ev_engine.agreement(samples[WORKING], run, K)
+    agree = ev_engine.agreement(samples[WORKING], run, ENGINE_K)
     record_property("agreement", agree)
     print(BROKEN, agree)
     assert not agree["equal"], agree

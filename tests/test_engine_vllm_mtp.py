@@ -38,7 +38,7 @@ from draftsmith.heads import mtp_folders
 from draftsmith.heads.mtp import MTPDrafter, init_mtp_layer, mtp_config_from_target
 from draftsmith.train.features import TargetHead
 from draftsmith.train.mtp import mtp_loss
-from test_mtp import tiny_llama
+from helpers import tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(1800)]
 

@@ -109,12 +109,12 @@ def test_render_conditions_on_previous_answers():
     assert text.endswith("<|im_start|>assistant\n")
 
 
-def test_same_record_rules_as_data_gen(tmp_path, capsys):
+def test_same_record_rules_as_data_gen(tmp_path, caplog):
     """Records without a user turn: skipped and reported, as data-gen does; null / non-UTF-8: one sentence."""
     p = write(tmp_path / "s.jsonl", [{"conversations": [{"from": "gpt", "value": "x"}]},
                                      {"conversations": [{"from": "human", "value": "q"}]}])
     assert [x.turns for x in read_jsonl(p, "sharegpt")] == [["q"]]
-    assert "skipped 1 record(s) of" in capsys.readouterr().err
+    assert "skipped 1 record(s) of" in caplog.text
     p = write(tmp_path / "n.jsonl", ['{"messages": [{"role": "user", "content": null}]}'])
     with pytest.raises(DraftsmithError, match=r"n\.jsonl line 1: message 1 \(user\) has content null"):
         read_jsonl(p, "openai")

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
+from helpers import eval_cfg, save_tiny_head
 
 from draftsmith.core import DraftsmithError
 from draftsmith.cli import main
@@ -20,41 +21,6 @@ REPORT_KEYS = {
     "per_position_acceptance", "target_only_tokens_per_s", "speculative_tokens_per_s", "speedup",
     "per_category", "software", "hardware", "conventions", "baselines", "accepted_length_histogram",
 }
-
-
-@pytest.fixture(scope="module")
-def questions(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "question.jsonl"
-    rows = [
-        {"question_id": 1, "category": "writing", "turns": ["Write a poem.", "Shorter."]},
-        {"question_id": 2, "category": "math", "turns": ["What is 2+2?"]},
-        {"question_id": 3, "category": "math", "turns": ["What is 3*3?"]},
-        {"question_id": 4, "category": "writing", "turns": ["Say hi."]},
-    ]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-def save_tiny_head(folder, identity=None):
-    """A random EAGLE-3 head for the tiny target, saved with a manifest naming `identity`."""
-    from draftsmith.heads.eagle3_folders import save_eagle3
-    from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
-    from draftsmith.heads.vocab import build_vocab_map
-
-    target = load_target(TargetConfig(name="tiny", dtype="float32"))
-    torch.manual_seed(0)
-    head = Eagle3Head(eagle3_config_from_target(target.model.config, draft_vocab_size=128))
-    d2t, t2d = build_vocab_map(torch.arange(target.vocab_size, dtype=torch.long), 128)
-    head.init_from_target(target.model, d2t, t2d)
-    save_eagle3(head, folder, manifest_target=identity or target.identity())
-    return str(folder)
-
-
-def eval_cfg(questions, out, *extra):
-    # fp32: greedy speculative output must be token-identical to target-only decoding (eval's default is bf16)
-    return compose("eval", ["target=tiny", "target.dtype=float32", f"prompts.path={questions}", "prompts.n=null",
-                            "max_new_tokens=12",
-                            "repeats=1", "progress=false", f"out={out}", *extra])
 
 
 def check_report(report, out):

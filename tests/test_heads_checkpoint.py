@@ -8,56 +8,11 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from helpers import DRAFT_VOCAB, EAGLE3_HEAD_TENSORS, logits_of, random_head, random_inputs
 
 from draftsmith.core import DraftsmithError
 from draftsmith.heads import folders
-from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
 from draftsmith.heads.eagle3_folders import load_eagle3, save_eagle3
-from draftsmith.heads.kit import causal_mask
-from draftsmith.heads.vocab import build_vocab_map
-
-DRAFT_VOCAB = 100
-
-
-def random_head(target, draft_vocab: int = DRAFT_VOCAB, seed: int = 0, target_hidden_size=None,
-                **norms: bool) -> Eagle3Head:
-    """A head initialised from `target` with every other weight random (norms too, so swaps show); `norms`: the
-    EAGLE-3.1 norms it has (norm_before_fc=True, ...)."""
-    torch.manual_seed(seed)
-    config = eagle3_config_from_target(target.model.config, draft_vocab, **norms)
-    if target_hidden_size:
-        config.target_hidden_size = target_hidden_size
-    head = Eagle3Head(config)
-    counts = torch.randint(0, 1000, (target.vocab_size,))
-    head.init_from_target(target.model, *build_vocab_map(counts, config.draft_vocab_size))
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if name.startswith(("fc", "midlayer", "norm", "input_norm")):  # fc_norm.* too
-                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
-    return head
-
-
-def random_inputs(head: Eagle3Head, T: int = 11, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, head.config.vocab_size, (2, T), generator=g)
-    aux = torch.randn(2, T, head.fc.in_features, generator=g)
-    pos = torch.arange(T).expand(2, T)
-    return ids, aux, pos
-
-
-@torch.no_grad()
-def logits_of(head: Eagle3Head, ids, aux, pos) -> torch.Tensor:
-    return head(ids, head.fuse(aux), pos, causal_mask(ids.shape[1]))[1].float()
-
-
-EXPECTED_NAMES = {
-    "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
-    "midlayer.post_attention_layernorm.weight", "midlayer.self_attn.q_proj.weight",
-    "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
-    "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
-    "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
-}
-
 
 def test_round_trip_gives_identical_logits(tiny_target, tmp_path):
     head = random_head(tiny_target)
@@ -86,7 +41,7 @@ def test_folder_has_exactly_the_engine_tensors(tiny_target, tmp_path):
     }
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
-        assert names == EXPECTED_NAMES | {"embed_tokens.weight"}
+        assert names == EAGLE3_HEAD_TENSORS | {"embed_tokens.weight"}
         for name in names:
             t = f.get_tensor(name)
             assert tuple(t.shape) == shapes[name], name

@@ -9,10 +9,9 @@ import json
 
 import pytest
 import torch
-from method_checks import (LLAMA_LAYER_WEIGHTS, check_a_folder_without_embeddings_needs_the_targets,
-                           check_cli_export_both_formats, check_speculators_holds_our_head,
-                           init_randomly_from_target, layer_weight_names, load_speculators_model, tensors_of,
-                           verifier_folder)  # noqa: F401  (verifier_folder: a fixture)
+from helpers import (LLAMA_LAYER_WEIGHTS, check_a_folder_without_embeddings_needs_the_targets,
+                     check_cli_export_both_formats, check_speculators_holds_our_head, init_randomly_from_target,
+                     layer_weight_names, load_speculators_model, tensors_of)
 from safetensors.torch import load_file, save_file
 
 from draftsmith.core import DraftsmithError

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from test_heads_checkpoint import EXPECTED_NAMES, logits_of, random_head, random_inputs
+from helpers import EAGLE3_HEAD_TENSORS, logits_of, random_head, random_inputs
 
 from draftsmith.cli import main
 from draftsmith.export import ExportConfig, default_verifier, run
@@ -46,7 +46,7 @@ def test_cli_export_speculators(head_folder, tmp_path, tiny_target, capsys):
     assert config["speculators_version"]
 
     tensors = tensors_of(out)
-    assert set(tensors) == {speculators_name(n) for n in EXPECTED_NAMES} | {"embed_tokens.weight"}
+    assert set(tensors) == {speculators_name(n) for n in EAGLE3_HEAD_TENSORS} | {"embed_tokens.weight"}
     assert "layers.0.self_attn.q_proj.weight" in tensors and not any(n.startswith("midlayer") for n in tensors)
     assert tensors["layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16  # export default
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
@@ -57,7 +57,7 @@ def test_cli_export_eagle3_in_bf16_loads_back(head_folder, tmp_path):
     out = tmp_path / "e3"
     main(["export", f"head={head_folder}", f"out={out}", "include_embeddings=false"])
     tensors = tensors_of(out)
-    assert set(tensors) == EXPECTED_NAMES
+    assert set(tensors) == EAGLE3_HEAD_TENSORS
     assert tensors["fc.weight"].dtype == torch.bfloat16 and tensors["d2t"].dtype == torch.int64
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["produced_by"]["stage"] == "export"

@@ -8,30 +8,17 @@ import json
 
 import pytest
 import torch
-from method_checks import (check_a_folder_without_embeddings_needs_the_targets, check_cli_export_both_formats,
-                           check_speculators_holds_our_head, init_randomly_from_target, layer_weight_names,
-                           load_speculators_model, tensors_of, verifier_folder)  # noqa: F401  (a fixture)
+from helpers import (DRAFT_VOCAB, PEAGLE_LAYERS, check_a_folder_without_embeddings_needs_the_targets,
+                     check_cli_export_both_formats, check_speculators_holds_our_head, layer_weight_names,
+                     load_speculators_model, random_peagle, tensors_of)
 from safetensors.torch import load_file, save_file
 
 from draftsmith.core import DraftsmithError
 from draftsmith.cli import main
 from draftsmith.heads.kit import causal_mask
-from draftsmith.heads.peagle import PEagleHead, peagle_config_from_target
 from draftsmith.heads.peagle_folders import load_peagle, save_peagle, save_speculators_peagle
 from draftsmith.core.methods import method_for_folder
 from draftsmith.train.peagle import Slots, parallel_forward, sample_slots
-
-DRAFT_VOCAB = 100
-LAYERS = 3
-
-
-def random_peagle(target, train_embeddings: bool = True, seed: int = 0) -> PEagleHead:
-    """A 3-layer drafter initialised from `target`, every other weight random (norms too, so swaps show)."""
-    torch.manual_seed(seed)
-    head = PEagleHead(peagle_config_from_target(target.model.config, DRAFT_VOCAB, LAYERS, target.vocab_size - 1,
-                                                train_embeddings))
-    return init_randomly_from_target(head, target, DRAFT_VOCAB, ("fc", "layers", "norm", "mask_hidden"))
-
 
 @torch.no_grad()
 def inference_logits(head, T: int = 9, K: int = 4, seed: int = 1) -> torch.Tensor:
@@ -53,7 +40,7 @@ def test_parallel_drafting_folder_names_shapes_dtypes_config(tiny_target, tmp_pa
     head = random_peagle(tiny_target)
     folder = save_peagle(head, tmp_path / "p", manifest_target=tiny_target.identity(), dtype=torch.bfloat16)
     tensors = tensors_of(folder)
-    assert set(tensors) == expected_names(LAYERS)
+    assert set(tensors) == expected_names(PEAGLE_LAYERS)
     H, H_t = head.config.hidden_size, tiny_target.hidden_size
     assert tensors["mask_hidden"].shape == (1, 3 * H_t) and tensors["mask_hidden"].dtype == torch.bfloat16
     assert tensors["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * H  # [embedding; hidden]
@@ -64,7 +51,7 @@ def test_parallel_drafting_folder_names_shapes_dtypes_config(tiny_target, tmp_pa
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
     assert config["parallel_drafting"] is True and config["ptd_token_id"] == tiny_target.vocab_size - 1
-    assert config["num_hidden_layers"] == LAYERS and config["draft_vocab_size"] == DRAFT_VOCAB
+    assert config["num_hidden_layers"] == PEAGLE_LAYERS and config["draft_vocab_size"] == DRAFT_VOCAB
     assert config["vocab_size"] == tiny_target.vocab_size and config["tie_word_embeddings"] is False
     assert config["torch_dtype"] == "bfloat16"
     assert method_for_folder(folder).name == "peagle"  # not EAGLE-3's, whose architecture it shares
@@ -73,7 +60,7 @@ def test_parallel_drafting_folder_names_shapes_dtypes_config(tiny_target, tmp_pa
 def test_round_trip_and_embeddings(tiny_target, tmp_path):
     head = random_peagle(tiny_target)
     back = load_peagle(save_peagle(head, tmp_path / "p"))
-    assert len(back.layers) == LAYERS and back.mask_token_id == head.mask_token_id
+    assert len(back.layers) == PEAGLE_LAYERS and back.mask_token_id == head.mask_token_id
     torch.testing.assert_close(inference_logits(back), inference_logits(head), rtol=0, atol=0)
     # trained embeddings are always written; frozen ones may be left to the target's
     assert "embed_tokens.weight" in tensors_of(save_peagle(head, tmp_path / "a", include_embeddings=False))
@@ -95,12 +82,12 @@ def test_a_wrong_shape_or_missing_mask_hidden_is_refused(tiny_target, tmp_path):
 
 def test_cli_export_both_formats(tiny_target, tmp_path, capsys):
     own, config = check_cli_export_both_formats(save_peagle, random_peagle(tiny_target), tiny_target, tmp_path, capsys,
-                                                method="peagle", architecture="PEagleDraftModel", layers=LAYERS, k=5)
+                                                method="peagle", architecture="PEagleDraftModel", layers=PEAGLE_LAYERS, k=5)
     assert own["parallel_drafting"] is True
     assert config["mask_token_id"] == tiny_target.vocab_size - 1 and config["embed_requires_grad"] is True
     assert config["eagle_aux_hidden_state_layer_ids"] == tiny_target.aux_layer_ids
     tensors = tensors_of(tmp_path / "s")
-    assert set(tensors) == expected_names(LAYERS) and tensors["mask_hidden"].shape == (1, 1, 3 * tiny_target.hidden_size)
+    assert set(tensors) == expected_names(PEAGLE_LAYERS) and tensors["mask_hidden"].shape == (1, 1, 3 * tiny_target.hidden_size)
 
 
 # ---- the outside check: speculators' PEagleDraftModel ------------------------------------------------------
@@ -147,7 +134,7 @@ def test_speculators_loads_our_export_and_agrees_on_logits(tiny_target, verifier
     folder = save_speculators_peagle(head, tmp_path / "spec", verifier=str(verifier_folder),
                                      manifest_target=tiny_target.identity(), dtype=torch.float32)
     ours, theirs, model = compare_with_speculators(head, folder, monkeypatch)
-    check_speculators_holds_our_head(model, head, LAYERS)
+    check_speculators_holds_our_head(model, head, PEAGLE_LAYERS)
     assert torch.equal(model.mask_hidden.flatten(), head.mask_hidden.flatten())
     assert torch.equal(model.embed_tokens.weight, head.embed_tokens.weight)
     assert ours.shape == theirs.shape and ours.shape[0] > 16  # deeper slots were compared too

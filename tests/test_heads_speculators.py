@@ -12,9 +12,8 @@ import json
 
 import pytest
 import torch
-from method_checks import (assert_ttt_steps_close, eagle3_ttt_logits, load_speculators_model, random_ttt_inputs,
-                           speculators_eagle3_ttt_logits, verifier_folder)  # noqa: F401  (verifier_folder: a fixture)
-from test_heads_checkpoint import random_head
+from helpers import (assert_ttt_steps_close, eagle3_ttt_logits, load_speculators_model, random_head,
+                     random_ttt_inputs, speculators_eagle3_ttt_logits)
 
 from draftsmith.heads.eagle3_folders import save_speculators
 
@@ -59,7 +58,7 @@ DSPARK_BLOCK, DSPARK_RANK, DSPARK_VOCAB = 4, 8, 64
 def random_dspark(target):
     """A 2-layer DSpark drafter of the tiny target, every weight but the copied embeddings random (the Markov
     weights large enough to move the logits)."""
-    from method_checks import randomize_weights
+    from helpers import randomize_weights
 
     from draftsmith.heads.dspark import DSparkHead, dspark_config_from_target
     from draftsmith.heads.vocab import build_vocab_map

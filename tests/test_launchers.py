@@ -103,7 +103,7 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 def test_torchrun_launcher_trains_three_steps_with_two_cpu_processes(tmp_path, deepspeed):
     from draftsmith.data_gen.target import TargetConfig, load_target
     from draftsmith.core.distributed import free_port  # another pytest-xdist worker may be running torchrun too
-    from test_train_data import make_tiny_data
+    from helpers import make_tiny_data
 
     data = make_tiny_data(tmp_path / "d", load_target(TargetConfig(name="tiny", dtype="float32")), n=8)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",

@@ -400,7 +400,7 @@ def dspark_folder(target, folder: Path, draft_vocab: int = DRAFT_VOCAB) -> Path:
 
 
 def eagle3_folder(target, folder: Path) -> Path:
-    from test_heads_checkpoint import random_head
+    from helpers import random_head
 
     from draftsmith.heads.eagle3_folders import save_eagle3
 

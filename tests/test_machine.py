@@ -345,7 +345,7 @@ def test_train_resolves_every_auto_into_a_new_config_and_a_record(monkeypatch):
 def test_single_process_default_training_never_imports_deepspeed(tmp_path):
     """deepspeed=auto in one process is plain torch: DeepSpeed is not even imported (its CPU ops JIT-build with g++)."""
     from draftsmith.data_gen.target import TargetConfig, load_target
-    from test_train_data import make_tiny_data
+    from helpers import make_tiny_data
 
     data = make_tiny_data(tmp_path / "d", load_target(TargetConfig(name="tiny", dtype="float32")), n=4)
     out = tmp_path / "out"

@@ -11,7 +11,7 @@ import datasets
 import pytest
 import torch
 from safetensors import safe_open
-from test_heads_peagle import random_peagle
+from helpers import random_peagle
 
 from draftsmith.core import DraftsmithError, methods
 from draftsmith.cli import main

@@ -5,6 +5,7 @@ stages find methods only through the table."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,8 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
-from test_eval_run import eval_cfg, questions  # noqa: F401  (fixture)
-from test_train_data import make_tiny_data
+from helpers import eval_cfg, make_tiny_data
 from throwaway_method import bigram_folders, bigram_proposer, train_bigram
 from throwaway_method.bigram import ARCH, Bigram
 from throwaway_method.bigram_folders import save_bigram
@@ -25,11 +25,12 @@ from draftsmith.configs import compose
 
 @pytest.fixture
 def bigram_method():
-    entry = methods.Method("bigram", folders=lambda: bigram_folders, proposers=lambda: bigram_proposer,
-                           training_module=lambda: train_bigram)
+    entry = methods.Method("bigram", folders=lambda: bigram_folders.HOOKS, proposers=lambda: bigram_proposer.proposer,
+                           train=lambda: train_bigram.HOOKS)
     methods.register(entry)
     # the method is its own files, all outside draftsmith, plus this row: no draftsmith file was edited for it
-    for module in (entry.heads, entry.train, entry.proposers()):
+    for hook in (entry.folders().load, entry.trainable().new_drafter, entry.proposers()):
+        module = sys.modules[hook.__module__]
         assert not module.__name__.startswith("draftsmith.")
         assert Path(module.__file__).resolve().parent == Path(__file__).resolve().parent / "throwaway_method"
     yield entry

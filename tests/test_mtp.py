@@ -10,47 +10,14 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
+from helpers import TINY_LLAMA_VOCAB, random_layers, tiny_llama
 
 from draftsmith.core import DraftsmithError
 from draftsmith.heads import mtp_folders
 from draftsmith.heads.kit import causal_mask
 from draftsmith.heads.mtp import MTPDrafter, init_mtp_layer, mtp_config_from_target
-
-VOCAB = 96
-
-
-def tiny_llama(seed: int = 0, vocab: int = VOCAB, layers: int = 2, hidden: int = 64, heads: int = 4,
-               kv_heads: int = 2) -> LlamaForCausalLM:
-    """A random Llama whose norms are not all ones (so the final norm's weight tells pre- from post-norm states) and
-    whose embeddings are of unit scale, as a trained model's hidden states are (heads/mtp.py engine_hidden: the
-    pre-norm state read from hidden_states[N] differs by eps / (2 mean(h^2)) relative, 1e-3 at HF's 0.02 init)."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
-                         rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-        model.get_input_embeddings().weight.normal_(0.0, 1.0)
-    return model
-
-
-def random_layers(config, seed: int = 1) -> MTPDrafter:
-    """An MTP drafter with random weights everywhere, biases and norms included."""
-    drafter = MTPDrafter(config)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return drafter
-
 
 def tiny_mimo(folder, seed: int = 0, drafter=None):
     """A tiny random Llama saved as a MiMo (its MTP layer random too); (folder, the Llama)."""
@@ -90,7 +57,7 @@ def test_the_layer_computes_what_vllm_mimo_mtp_computes():
                                                            "num_attention_heads", "num_key_value_heads",
                                                            "rms_norm_eps", "max_position_embeddings")},
                         num_hidden_layers=1, attn_implementation="eager")
-    ids = torch.randint(0, VOCAB, (1, 7))
+    ids = torch.randint(0, TINY_LLAMA_VOCAB, (1, 7))
     hidden = torch.randn(1, 7, 64) * 3
     positions = torch.arange(7)[None]
     with torch.no_grad():
@@ -110,7 +77,7 @@ def test_the_pre_norm_state_is_read_from_hidden_states_n():
     """MiMo's layer reads the last layer's output before the final norm; it is recovered from hidden_states[N]."""
     model = tiny_llama()
     drafter = random_layers(mtp_config_from_target(model.config)).attach(model)
-    ids = torch.randint(0, VOCAB, (1, 6))
+    ids = torch.randint(0, TINY_LLAMA_VOCAB, (1, 6))
     with torch.no_grad():
         captured = {}
         hook = model.model.norm.register_forward_pre_hook(lambda m, args: captured.update(pre=args[0]))
@@ -141,7 +108,7 @@ def test_save_as_mimo_loads_in_transformers_and_in_draftsmith(tmp_path):
         mtp_config_from_target(llama.config)))
     qwen2 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # drops the MTP tensors
     assert isinstance(qwen2, Qwen2ForCausalLM)
-    ids = torch.randint(0, VOCAB, (1, 9))
+    ids = torch.randint(0, TINY_LLAMA_VOCAB, (1, 9))
     with torch.no_grad():
         torch.testing.assert_close(qwen2(ids).logits, llama(ids).logits, atol=1e-5, rtol=1e-5)  # the same target
     drafter = mtp_folders.load_mtp(folder)
@@ -208,7 +175,7 @@ def test_a_llama_folder_is_converted_with_a_grafted_layer(tmp_path):
     out = mtp_folders.stitch(drafter, tmp_path / "llama", tmp_path / "mimo", dtype=torch.float32)
     assert json.loads((out / "config.json").read_text())["architectures"] == ["MiMoForCausalLM"]
     qwen2 = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    ids = torch.randint(0, VOCAB, (1, 5))
+    ids = torch.randint(0, TINY_LLAMA_VOCAB, (1, 5))
     with torch.no_grad():
         torch.testing.assert_close(qwen2(ids).logits, llama(ids).logits, atol=1e-5, rtol=1e-5)
     assert torch.equal(mtp_folders.load_mtp(out).layers[0].input_proj.weight, drafter.layers[0].input_proj.weight)

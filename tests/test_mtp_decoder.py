@@ -8,9 +8,7 @@ with the target's hidden_states[N] from one plain HF forward: the logits must ag
 
 import pytest
 import torch
-from method_checks import speculative_sampling_pvalue, statistical_sampling_tests
-from test_mtp import random_layers
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import MTP_V, mtp_decoder_target, random_layers, speculative_sampling_pvalue, statistical_sampling_tests
 
 from draftsmith.eval.decoder import DraftingConfig, SamplingConfig, speculative_generate
 from draftsmith.eval.proposers.mtp import MTPProposer, proposer
@@ -18,24 +16,10 @@ from draftsmith.eval.target_runner import TargetRunner
 from draftsmith.heads.mtp import mtp_config_from_target
 from draftsmith.train.mtp import mtp_unroll
 
-V = 12  # small, so that drafts are often accepted
 K = 4
 AUX = [2]  # hidden_states[N] of the 2-layer target: what the mtp row asks the runner for
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-def _target(vocab: int = V):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).double().eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8)  # peaked distributions
-        model.model.norm.weight.uniform_(0.5, 1.5)  # pre- and post-norm states differ
-        model.get_input_embeddings().weight.normal_(0.0, 1.0)
-    return model
 
 
 def _drafter(target, **fields):
@@ -67,9 +51,9 @@ class RecordingProposer(MTPProposer):
                          ids=["mimo", "embedding_first", "post_norm"])
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])
 def test_proposer_logits_in_the_decode_loop_equal_the_training_unroll(sampling, fields):
-    target, prompt = _target(), torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    target, prompt = mtp_decoder_target(), torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
     drafter = _drafter(target, **fields)
-    recording = RecordingProposer(drafter, V, 96)
+    recording = RecordingProposer(drafter, MTP_V, 96)
     g = torch.Generator().manual_seed(0)
     res = speculative_generate(TargetRunner(target, 96, AUX), recording, prompt, 40, sampling,
                                DraftingConfig("chain", K), [], generator=g)
@@ -88,7 +72,7 @@ def test_proposer_logits_in_the_decode_loop_equal_the_training_unroll(sampling, 
 @pytest.mark.parametrize("drafting", [DraftingConfig("chain", 3), DraftingConfig("tree", 3, 2, 6)],
                          ids=["chain", "tree"])
 def test_greedy_is_token_identical_to_target_only(drafting):
-    target = _target(256)
+    target = mtp_decoder_target(256)
     runner = TargetRunner(target, 256, AUX)
     mtp = proposer(_drafter(target), 256, 256)
     for seed in range(2):
@@ -99,7 +83,7 @@ def test_greedy_is_token_identical_to_target_only(drafting):
 
 
 def _sampled_pvalue(sampling):
-    target = _target(8)
+    target = mtp_decoder_target(8)
     return speculative_sampling_pvalue(TargetRunner(target, 32, AUX), MTPProposer(_drafter(target), 8, 32), target,
                                        sampling)
 

@@ -3,10 +3,9 @@ mtp row, drafts with the layer from the folder's own safetensors, and stays loss
 
 from __future__ import annotations
 
-import json
 
 import pytest
-from test_mtp import random_layers
+from helpers import random_layers, two_questions
 
 from draftsmith.configs import compose
 from draftsmith.data_gen.target import TargetConfig, load_target, tiny_tokenizer
@@ -17,21 +16,13 @@ from draftsmith.heads.mtp import mtp_config_from_target
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-def questions(folder):
-    """Two MT-bench-style questions in `folder`/q.jsonl."""
-    path = folder / "q.jsonl"
-    path.write_text("".join(json.dumps({"question_id": i, "category": "writing", "turns": [text]}) + "\n"
-                            for i, text in enumerate(["Write a poem about the sea.", "Name three colours."])))
-    return path
-
-
 def test_eval_reads_the_mtp_layer_a_mimo_folder_ships(tmp_path):
     tiny = load_target(TargetConfig(name="tiny", dtype="float32"))
     folder = mtp_folders.save_as_mimo(tiny.model, tmp_path / "tiny-mimo",
                                       random_layers(mtp_config_from_target(tiny.model.config), seed=3))
     tiny_tokenizer().save_pretrained(folder)
     report = ev.run(compose("eval", [f"target.name={folder}", "target.dtype=float32", f"head={folder}",
-                                     f"prompts.path={questions(tmp_path)}", "prompts.n=null", "max_new_tokens=12",
+                                     f"prompts.path={two_questions(tmp_path)}", "prompts.n=null", "max_new_tokens=12",
                                      "repeats=1", "progress=false", "plot=false", f"out={tmp_path / 'eval'}"]))
     assert report["method"] == "mtp" and report["drafter"]["architecture"] == "MiMoForCausalLM"
     assert report["greedy_identical_fraction"] == 1.0

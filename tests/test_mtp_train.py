@@ -8,11 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from method_checks import tiny_data, tiny_train_cfg  # noqa: F401  (tiny_data: a fixture)
+from helpers import mtp_decoder_target, random_layers, tiny_train_cfg, two_questions
 from safetensors import safe_open
-from test_mtp import random_layers
-from test_mtp_eval import questions
-from test_mtp_decoder import _target
 
 from draftsmith.cli import main
 from draftsmith.configs import compose
@@ -46,7 +43,7 @@ def _rows(target, T: int = 14):
 
 def test_loss_equals_a_per_row_reference_and_weights_steps():
     """Each counted (t, k) is scored as inference computes it: row t's chain of k+1 steps from h_t alone."""
-    target = _target()
+    target = mtp_decoder_target()
     drafter = random_layers(mtp_config_from_target(target.config), seed=2).double().attach(target)
     ids, attention, loss_mask, last, side = _rows(target)
     steps, decay = 3, 0.6
@@ -80,7 +77,7 @@ def test_loss_equals_a_per_row_reference_and_weights_steps():
 
 
 def test_only_the_mtp_layer_learns():
-    target = _target()
+    target = mtp_decoder_target()
     before = {k: v.clone() for k, v in target.state_dict().items()}
     drafter = random_layers(mtp_config_from_target(target.config), seed=2).double().attach(target)
     assert set(drafter.state_dict()) == {f"layers.0.{n}" for n in mtp_folders.layer_shapes(drafter.config)}
@@ -127,7 +124,7 @@ def test_new_drafter_reads_the_targets_own_layer_or_grafts_one(mimo_target):
     assert grafted.config.mtp_hidden == "pre_norm" and grafted.config.mtp_fusion == "hidden_first"
 
 
-def test_train_then_export_stitches_the_trained_layer(tiny_data, tmp_path):  # noqa: F811
+def test_train_then_export_stitches_the_trained_layer(tiny_data, tmp_path):
     from draftsmith.train.run import run
 
     result = run(tiny_train_cfg(tiny_data, tmp_path / "run", MTPConfig(), mode="online", max_steps=3))
@@ -138,7 +135,7 @@ def test_train_then_export_stitches_the_trained_layer(tiny_data, tmp_path):  # n
     trained = methods()["mtp"].load(final)
     # eval reads train's output beside the target it was trained for, and stays lossless
     report = ev.run(compose("eval", ["target=tiny", "target.dtype=float32", f"head={tmp_path / 'run'}",
-                                     f"prompts.path={questions(tmp_path)}", "prompts.n=null", "max_new_tokens=8",
+                                     f"prompts.path={two_questions(tmp_path)}", "prompts.n=null", "max_new_tokens=8",
                                      "repeats=1", "progress=false", "plot=false", f"out={tmp_path / 'eval'}"]))
     assert report["method"] == "mtp" and report["greedy_identical_fraction"] == 1.0
     # a target folder to stitch into: the tiny preset saved as a MiMo (its own layer untrained)

@@ -6,9 +6,6 @@ control)."""
 import pytest
 import torch
 
-import test_decoder_eagle3 as eagle3_tests  # tests/ is on sys.path under pytest (rootdir conftest)
-import test_decoder_peagle as peagle_tests
-import test_decoder_sampling as sampling_tests
 from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.eval import decoder
@@ -19,8 +16,11 @@ from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
 from draftsmith.eval.proposers.ngram import NgramFirstProposer, NgramProposer
 from draftsmith.eval.target_runner import TargetRunner
 from draftsmith.train.eagle3 import ttt_unroll
-from test_decoder_greedy import _draft_llama, _eagle_head, _repetitive_prompt
-from test_proposers_dynamic import _empirical, _peagle_head, _sampling_proposer
+from helpers import (AUX, EAGLE3_K, EAGLE3_V, Eagle3RecordingProposer, PEagleRecordingProposer, chi2_pvalue,
+                     draft_llama, eagle3_decoder_features, eagle3_decoder_head, eagle3_decoder_target,
+                     eagle3_head_f64, exact_joint, peagle_decoder_head, peagle_from_scratch, peagle_head_f64,
+                     peaked_llama, repetitive_prompt, sampled_joint_and_proposed, sampling_llama, sampling_proposer,
+                     save_tiny_head)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -70,9 +70,9 @@ def tiny(one_thread):
 
 def _heads(target):
     V = target.vocab_size
-    return {"eagle3": Eagle3Proposer(_eagle_head(target), V, 256),
-            "draft_model": DraftModelProposer(_draft_llama(V, 1), V, 256),
-            "peagle": PEagleProposer(_peagle_head(target), V, 256)}
+    return {"eagle3": Eagle3Proposer(eagle3_head_f64(target), V, 256),
+            "draft_model": DraftModelProposer(draft_llama(V, 1), V, 256),
+            "peagle": PEagleProposer(peagle_head_f64(target), V, 256)}
 
 
 @pytest.mark.parametrize("drafting", [CHAIN, TREE], ids=["chain", "tree"])
@@ -82,7 +82,7 @@ def test_greedy_is_token_identical_to_target_only(tiny, kind, drafting):
     both = NgramFirstProposer(NgramProposer(3, 2), _heads(target)[kind])
     for seed in range(3):
         g = torch.Generator().manual_seed(seed)
-        prompt = torch.cat([_repetitive_prompt(seed=seed), torch.randint(0, 256, (8,), generator=g)])
+        prompt = torch.cat([repetitive_prompt(seed=seed), torch.randint(0, 256, (8,), generator=g)])
         ref = speculative_generate(runner, None, prompt, 40, GREEDY, DraftingConfig(), []).tokens
         assert speculative_generate(runner, both, prompt, 40, GREEDY, drafting, []).tokens == ref, (kind, seed)
     assert both.drafted_by["ngram"] > 0 and both.drafted_by["head"] > 0  # both paths ran
@@ -92,29 +92,29 @@ def test_greedy_is_token_identical_to_target_only(tiny, kind, drafting):
 
 def test_peagle_head_drafts_what_it_computes_from_scratch_after_ngram_cycles():
     V, k = 12, 4
-    target = peagle_tests._target(V)
-    head = peagle_tests._head(target, [0, 1, 2, 4, 5, 7, 8, 10, 11])
-    recording = peagle_tests.RecordingProposer(head, V, 96)
+    target = peaked_llama(V)
+    head = peagle_decoder_head(target, [0, 1, 2, 4, 5, 7, 8, 10, 11])
+    recording = PEagleRecordingProposer(head, V, 96)
     both = NgramFirstProposer(NgramProposer(2, 2), recording)
-    speculative_generate(TargetRunner(target, 96, peagle_tests.AUX), both, torch.tensor([3, 1, 4, 1, 5, 9, 2, 6]),
+    speculative_generate(TargetRunner(target, 96, AUX), both, torch.tensor([3, 1, 4, 1, 5, 9, 2, 6]),
                          40, GREEDY, DraftingConfig("chain", k), [])
     assert both.drafted_by["ngram"] > 0 and len(recording.rounds) == both.drafted_by["head"] > 1
     for seq, logits in recording.rounds:  # pending features piled up over n-gram cycles ran in order
-        torch.testing.assert_close(logits, peagle_tests._from_scratch(head, target, seq, k), rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(logits, peagle_from_scratch(head, target, seq, k), rtol=1e-9, atol=1e-9)
 
 
 def test_eagle3_head_drafts_what_the_ttt_unroll_gives_after_ngram_cycles():
-    target, k = eagle3_tests._target(), eagle3_tests.K
-    head = eagle3_tests._head(target)
-    recording = eagle3_tests.RecordingProposer(head, eagle3_tests.V, 96)
+    target, k = eagle3_decoder_target(), EAGLE3_K
+    head = eagle3_decoder_head(target)
+    recording = Eagle3RecordingProposer(head, EAGLE3_V, 96)
     both = NgramFirstProposer(NgramProposer(2, 2), recording)
-    speculative_generate(TargetRunner(target, 96, eagle3_tests.AUX), both, torch.tensor([3, 1, 4, 1, 5, 9, 2, 6]),
+    speculative_generate(TargetRunner(target, 96, AUX), both, torch.tensor([3, 1, 4, 1, 5, 9, 2, 6]),
                          40, GREEDY, DraftingConfig("chain", k), [])
     assert both.drafted_by["ngram"] > 0 and len(recording.rounds) == both.drafted_by["head"] > 1
     for seq, draft, logits in recording.rounds:
         ids = seq + draft[:-1]
         with torch.no_grad():
-            unrolled = list(ttt_unroll(head, torch.tensor([ids]), head.fuse(eagle3_tests._features(target, ids)),
+            unrolled = list(ttt_unroll(head, torch.tensor([ids]), head.fuse(eagle3_decoder_features(target, ids)),
                                        torch.ones(1, len(ids), dtype=torch.long), k))
         for i in range(len(logits)):
             torch.testing.assert_close(logits[i], unrolled[i][0, len(seq) - 2], rtol=1e-9, atol=1e-9)
@@ -122,7 +122,6 @@ def test_eagle3_head_drafts_what_the_ttt_unroll_gives_after_ngram_cycles():
 
 # ---- sampling: the distribution test of tests/test_decoder_sampling.py --------------------------------------
 
-V = sampling_tests.V
 # (head, sampling, ngram_min): ngram_min chosen so that both sources draft often on this 8-token setup (P-EAGLE's
 # accepted chains end most runs before a 2-gram match can recur)
 SAMPLING_CASES = {
@@ -134,13 +133,13 @@ SAMPLING_CASES = {
 
 def _pvalue(case):
     kind, sampling, ngram_min = SAMPLING_CASES[case]
-    target = sampling_tests._llama(0, 60)
+    target = sampling_llama(0, 60)
     runner = TargetRunner(target, 32, [0, 1, 1])
-    both = NgramFirstProposer(NgramProposer(3, ngram_min), _sampling_proposer(kind, target))
-    counts, proposed = _empirical(runner, both, sampling, DraftingConfig("chain", 2))
+    both = NgramFirstProposer(NgramProposer(3, ngram_min), sampling_proposer(kind, target))
+    counts, proposed = sampled_joint_and_proposed(runner, both, sampling, DraftingConfig("chain", 2))
     assert proposed[1] > 0  # chains of two were verified (four tokens generated: see _empirical)
     assert both.drafted_by["ngram"] > 100 and both.drafted_by["head"] > 100, both.drafted_by  # both drafted often
-    return sampling_tests._chi2_pvalue(counts, sampling_tests._exact_joint(target, sampling))
+    return chi2_pvalue(counts, exact_joint(target, sampling))
 
 
 @pytest.mark.slow  # 2500 seeded generations each
@@ -167,7 +166,6 @@ def test_eval_ngram_first_row(tmp_path):
 
     from draftsmith.configs import compose
     from draftsmith.eval.run import run
-    from test_eval_run import save_tiny_head
 
     questions = tmp_path / "q.jsonl"
     questions.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n" for i, (c, t) in

@@ -276,7 +276,7 @@ def test_a_server_failing_every_second_request_loses_no_sample(compose_cfg, ques
 
 
 def test_failures_above_the_share_end_the_run_and_a_rerun_retries_only_them(compose_cfg, questions, tmp_path,
-                                                                            server, capfd):
+                                                                            server, caplog):
     bad = {"Q3?", "Q9?"}
     server.rule = lambda n, key, tries: (503,) if key in bad else "ok"
     out = tmp_path / "o"
@@ -285,7 +285,7 @@ def test_failures_above_the_share_end_the_run_and_a_rerun_retries_only_them(comp
     msg = str(e.value)
     assert "2 of 16 prompts" in msg and "HTTP 503" in msg and "rerun" in msg and "\n" not in msg
     assert server.tries("Q3?") == server.tries("Q9?") == 3  # 1 + backend.retries
-    err = capfd.readouterr().err
+    err = caplog.text
     assert "prompt 3 (id 103)" in err and "prompt 9 (id 109)" in err  # each failed prompt, with its last error
     assert not (out / "manifest.json").exists()
 

@@ -8,8 +8,7 @@ import os
 import stat
 
 import pytest
-from test_heads_checkpoint import random_head
-from test_train_data import make_tiny_data
+from helpers import cli_error, make_tiny_data, random_head, snapshot
 
 from draftsmith.core import DraftsmithError
 from draftsmith.core import artifacts as mf
@@ -18,22 +17,6 @@ from draftsmith.heads.eagle3_folders import save_eagle3
 
 TRAIN = ["method=eagle3", "target=tiny", "wandb.mode=disabled", "progress=false", "deepspeed=none",
          "method.draft_vocab_size=64", "method.ttt_steps=2", "micro_batch_size=2"]
-
-
-def snapshot(folder) -> dict:
-    """Every file under `folder` with its bytes: what must survive a refusal untouched."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def cli_error(capsys, argv) -> str:
-    """Run the CLI, expect exit 2 and one line on stderr; return that line."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
-    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if "examples/s" not in ln]
-    assert len(err) == 1, err
-    return err[0]
 
 
 @pytest.fixture

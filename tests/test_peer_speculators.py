@@ -19,10 +19,8 @@ pytest.importorskip("speculators.train.data", reason="speculators 0.9 is not imp
                                                     "(scripts/setup.sh installs it with --no-deps)")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-from method_checks import (assert_ttt_steps_close, eagle3_ttt_logits, load_speculators_model,  # noqa: E402
-                           random_ttt_inputs, speculators_eagle3_ttt_logits)
-from method_checks import verifier_folder  # noqa: E402, F401  (a fixture)
-from test_train_data import make_tiny_data  # noqa: E402
+from helpers import (assert_ttt_steps_close, eagle3_ttt_logits, load_speculators_model, make_tiny_data,
+                     random_ttt_inputs, speculators_eagle3_ttt_logits)
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "peers" / "speculators_eagle3.py"
 TTT_STEPS = 3
@@ -143,7 +141,7 @@ def test_converter_writes_speculators_offline_format(peer, tiny_data, tiny_targe
 
 def speculators_folder_with_norms(tiny_target, verifier, tmp_path, flags: dict):
     """A speculators EAGLE-3 folder (draftsmith's export of a random head) with norm flags and random norm weights."""
-    from test_heads_checkpoint import random_head
+    from helpers import random_head
 
     from draftsmith.heads.eagle3_folders import save_speculators
 

@@ -5,9 +5,9 @@ target-only; sampled output has the target's distribution, with the negative con
 
 import pytest
 import torch
+from helpers import (chi2_pvalue, draft_llama, eagle3_head_f64, exact_joint, peagle_head_f64, repetitive_prompt,
+                     sampled_joint_and_proposed, sampling_llama, sampling_proposer)
 
-import test_decoder_peagle as peagle_tests  # tests/ is on sys.path under pytest (rootdir conftest)
-import test_decoder_sampling as sampling_tests
 from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.eval import decoder
@@ -18,7 +18,6 @@ from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
 from draftsmith.eval.proposers.kit import ModelProposer, sample_chain
 from draftsmith.eval.target_runner import TargetRunner
 from draftsmith.core.sampling import process_logits
-from test_decoder_greedy import _draft_llama, _eagle_head, _repetitive_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -30,19 +29,6 @@ GREEDY = SamplingConfig()
 def tiny(one_thread):
     target = load_target(TargetConfig(name="tiny", dtype="float64"))
     return target, TargetRunner(target.model, 256, target.aux_layer_ids)
-
-
-def _peagle_head(target, draft_vocab=200, seed=0):
-    from draftsmith.heads.peagle import PEagleHead, peagle_config_from_target
-
-    torch.manual_seed(seed)
-    V = target.vocab_size
-    head = PEagleHead(peagle_config_from_target(target.model.config, draft_vocab, 2, V - 1)).double().eval()
-    used = torch.sort(torch.randperm(V)[:draft_vocab]).values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[used] = True
-    head.init_from_target(target.model, used - torch.arange(draft_vocab), t2d)
-    return head
 
 
 def _recording(cls):
@@ -73,12 +59,12 @@ def _recording(cls):
 def _make(kind, target, record=False):
     V = target.vocab_size
     if kind == "eagle3":
-        return _recording(Eagle3Proposer)(_eagle_head(target), V, 256) if record else Eagle3Proposer(_eagle_head(target), V, 256)
+        return _recording(Eagle3Proposer)(eagle3_head_f64(target), V, 256) if record else Eagle3Proposer(eagle3_head_f64(target), V, 256)
     if kind == "draft_model":
         cls = _recording(DraftModelProposer) if record else DraftModelProposer
-        return cls(_draft_llama(V, 1), V, 256)
+        return cls(draft_llama(V, 1), V, 256)
     cls = _recording(PEagleProposer) if record else PEagleProposer
-    return cls(_peagle_head(target), V, 256)
+    return cls(peagle_head_f64(target), V, 256)
 
 
 def _median_top_prob(runner, proposer, prompts):
@@ -103,7 +89,7 @@ def _median_top_prob(runner, proposer, prompts):
 @pytest.mark.parametrize("kind", ["eagle3", "draft_model", "peagle"])
 def test_chain_stops_before_the_first_unsure_depth_and_greedy_is_token_identical(tiny, kind):
     target, runner = tiny
-    prompts = [_repetitive_prompt(seed=s) for s in range(3)]
+    prompts = [repetitive_prompt(seed=s) for s in range(3)]
     proposer = _make(kind, target, record=True)
     proposer.rounds = []
     threshold = _median_top_prob(runner, proposer, prompts)
@@ -129,7 +115,7 @@ def test_stop_below_zero_drafts_k_tokens(tiny):
     target, runner = tiny
     proposer = _make("eagle3", target, record=True)
     proposer.rounds = []
-    speculative_generate(runner, proposer, _repetitive_prompt(), 30, GREEDY, DraftingConfig("chain", K), [])
+    speculative_generate(runner, proposer, repetitive_prompt(), 30, GREEDY, DraftingConfig("chain", K), [])
     assert proposer.rounds and all(len(tokens) == K for tokens, _ in proposer.rounds[:-1])
 
 
@@ -149,17 +135,6 @@ def test_eval_config_passes_stop_below(compose_cfg):
 
 # ---- sampling: the distribution test of tests/test_decoder_sampling.py, with dynamic chains -----------------
 
-V = sampling_tests.V
-
-
-def _sampling_proposer(kind, target):
-    if kind == "eagle3":
-        return Eagle3Proposer(sampling_tests._eagle(target), V, 32)
-    if kind == "draft_model":
-        return DraftModelProposer(sampling_tests._llama(1, 60), V, 32)
-    return PEagleProposer(peagle_tests._head(target, [0, 1, 2, 4, 5, 7], seed=3, layers=2, scale=1), V, 32)
-
-
 # thresholds between the drafters' q(x) quantiles on this setup, so that both chain lengths occur
 SAMPLING_CASES = {
     "eagle3-T1": ("eagle3", SamplingConfig(temperature=1.0), 0.95),
@@ -169,29 +144,14 @@ SAMPLING_CASES = {
 }
 
 
-def _empirical(runner, proposer, sampling, drafting):
-    """Counts of (x2, x3) over N_RUNS seeded generations, and the drafts' per-depth counts.
-
-    Four tokens are generated (the exact joint is of x2 and x3 all the same) so that the first cycle's chain of
-    two, drafting x2 and x3, fits whole: with three, the decoder would cut every draft to one token."""
-    g = torch.Generator().manual_seed(0)
-    counts = torch.zeros(V * V, dtype=torch.float64)
-    proposed = [0, 0]
-    for _ in range(sampling_tests.N_RUNS):
-        res = speculative_generate(runner, proposer, sampling_tests.PROMPT, 4, sampling, drafting, [], generator=g)
-        counts[res.tokens[1] * V + res.tokens[2]] += 1
-        proposed = [a + b for a, b in zip(proposed, res.proposed_per_position)]
-    return counts, proposed
-
-
 def _pvalue(case):
     kind, sampling, threshold = SAMPLING_CASES[case]
-    target = sampling_tests._llama(0, 60)
+    target = sampling_llama(0, 60)
     runner = TargetRunner(target, 32, [0, 1, 1])
-    counts, proposed = _empirical(runner, _sampling_proposer(kind, target), sampling,
+    counts, proposed = sampled_joint_and_proposed(runner, sampling_proposer(kind, target), sampling,
                                   DraftingConfig("chain", 2, stop_below=threshold))
     assert 0 < proposed[1] < proposed[0], proposed  # both chain lengths (1 and 2) were drafted
-    return sampling_tests._chi2_pvalue(counts, sampling_tests._exact_joint(target, sampling))
+    return chi2_pvalue(counts, exact_joint(target, sampling))
 
 
 @pytest.mark.slow  # 2500 seeded generations each
@@ -228,7 +188,7 @@ def test_sampled_chain_keeps_the_q_it_was_drawn_from(tiny):
 
     proposer.propose = keep
     g = torch.Generator().manual_seed(0)
-    speculative_generate(runner, proposer, _repetitive_prompt(), 30, sampling,
+    speculative_generate(runner, proposer, repetitive_prompt(), 30, sampling,
                          DraftingConfig("chain", K, stop_below=0.005), [], generator=g)
     assert any(0 < len(d.tokens) < K for d in drafts)
     for d, (tokens, rows) in zip(drafts, proposer.rounds):

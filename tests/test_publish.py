@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_eval_run import eval_cfg, save_tiny_head
+from helpers import eval_cfg, save_tiny_head
 
 from draftsmith.core import DraftsmithError
 from draftsmith.cli import main

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from test_eval_run import eval_cfg, save_tiny_head
+from helpers import eval_cfg, save_tiny_head
 
 from draftsmith.cli import main
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from draftsmith.cli import main
-from test_eval_run import save_tiny_head
+from helpers import save_tiny_head
 
 QUESTIONS = [{"question_id": 1, "category": "math", "turns": ["What is 2+2?"]}]
 PUBLISH = ["repo_id=someone/tiny-head", "base_model=someone/tiny-base", "license=mit", "allow_no_eval=true",
@@ -46,7 +46,7 @@ def base(tmp_path_factory):
     """A tiny EAGLE-3 head, the tiny target saved as an HF folder (also a draft model: same tokenizer), prompts,
     tiny training data."""
     from draftsmith.data_gen.target import TargetConfig, load_target
-    from test_train_data import make_tiny_data
+    from helpers import make_tiny_data
 
     root = tmp_path_factory.mktemp("refusals")
     target = load_target(TargetConfig(name="tiny", dtype="float32"))

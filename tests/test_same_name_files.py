@@ -20,7 +20,7 @@ import pytest
 from draftsmith.cli import main
 from draftsmith.core import DraftsmithError
 from draftsmith.core import artifacts as mf
-from test_eval_run import save_tiny_head
+from helpers import save_tiny_head
 
 QUESTIONS = [{"question_id": 1, "category": "math", "turns": ["What is 2+2?"]}]
 TRAIN = ["train", "method=eagle3", "target=tiny", "wandb.mode=disabled", "progress=false", "deepspeed=none",

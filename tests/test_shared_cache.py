@@ -1,4 +1,4 @@
-"""conftest.py's cache of the test run's engine data, heads and built-in readings (`made_once`): whichever
+"""helpers.py's cache of the test run's engine data, heads and built-in readings (`made_once`): whichever
 pytest-xdist worker asks first makes it, the others wait and read it, and a make that failed is made again."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import made_once
+from helpers import made_once
 
 TESTS = Path(__file__).parent
 
@@ -16,7 +16,7 @@ RACER = """
 import os, sys, time
 from pathlib import Path
 sys.path.insert(0, {tests!r})
-from conftest import made_once
+from helpers import made_once
 
 def make(path):
     with open({log!r}, "a") as f:

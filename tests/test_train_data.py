@@ -3,43 +3,11 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
+from helpers import make_tiny_data
 
 from draftsmith.train.data import batch_order, micro_batches
-
-
-def make_tiny_data(folder, target, n: int = 12, min_len: int = 10, max_len: int = 24, seed: int = 0,
-                   hidden_states: bool = False) -> Path:
-    """A data-gen-shaped folder (tokenized/, manifest.json, optional hidden_states/) for `target`."""
-    import datasets
-
-    from draftsmith.data_gen.capture import capture_hidden_states
-    from draftsmith.core.artifacts import write_manifest
-
-    folder = Path(folder)
-    rng = random.Random(seed)
-    ids, masks = [], []
-    for _ in range(n):
-        T = rng.randint(min_len, max_len)
-        prompt = rng.randint(2, T // 2)
-        # a learnable pattern: repeated short motifs from a small alphabet
-        motif = [rng.randint(97, 110) for _ in range(3)]
-        ids.append([rng.randint(0, 255) for _ in range(prompt)] + [motif[i % 3] for i in range(T - prompt)])
-        masks.append([0] * prompt + [1] * (T - prompt))
-    ds = datasets.Dataset.from_dict({"id": [f"s{i}" for i in range(n)], "input_ids": ids, "loss_mask": masks},
-                                    features=datasets.Features({"id": datasets.Value("string"),
-                                                                "input_ids": datasets.Sequence(datasets.Value("int32")),
-                                                                "loss_mask": datasets.Sequence(datasets.Value("int8"))}))
-    ds.save_to_disk(str(folder / "tokenized"))
-    hidden = None
-    if hidden_states:
-        index = capture_hidden_states(target, ids, folder / "hidden_states", "float32", samples_per_shard=5)
-        hidden = {k: index[k] for k in ("dtype", "aux_layer_ids", "last_hidden_state", "hidden_size")}
-    counts = {"samples": n, "tokens": sum(map(len, ids)), "loss_tokens": sum(map(sum, masks))}
-    write_manifest(folder, stage="data_gen", target=target.identity(), counts=counts, hidden_states=hidden)
-    return folder
 
 
 def test_batch_order_is_deterministic_and_bucketed():

@@ -8,8 +8,7 @@ import math
 
 import pytest
 import torch
-from method_checks import check_resume_is_exact, randomize_weights, tiny_train_cfg, tiny_training_rows
-from method_checks import tiny_data  # noqa: F401  (a fixture)
+from helpers import check_resume_is_exact, randomize_weights, tiny_train_cfg, tiny_training_rows
 
 from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target

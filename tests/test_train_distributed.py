@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from draftsmith.data_gen.target import TargetConfig, load_target
-from test_train_data import make_tiny_data
+from helpers import make_tiny_data
 
 COMMON = ["method=eagle3", "target=tiny", "wandb.mode=disabled", "progress=false", "deepspeed=zero2",
           "method.draft_vocab_size=128", "method.ttt_steps=3", "micro_batch_size=2", "epochs=2", "lr=3e-3", "save_every=100"]

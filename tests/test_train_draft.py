@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
-from test_train_data import make_tiny_data
+from helpers import make_tiny_data
 
 from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target

@@ -9,7 +9,7 @@ import pytest
 from draftsmith.cli import main
 from draftsmith.core.artifacts import read_manifest, write_manifest
 from draftsmith.data_gen.target import TargetConfig, load_target
-from test_train_data import make_tiny_data
+from helpers import make_tiny_data
 
 BASE = ["method=eagle3", "target=tiny", "wandb.mode=disabled", "progress=false", "deepspeed=none",
         "method.draft_vocab_size=64", "method.ttt_steps=2", "micro_batch_size=2"]

@@ -12,7 +12,7 @@ from draftsmith.train.config import DeepSpeedConfig, TrainConfig
 from draftsmith.train.eagle3 import Eagle3Config
 from draftsmith.train.run import run
 from draftsmith.train.trainer import Logger, TrainerConfig
-from test_train_data import make_tiny_data
+from helpers import make_tiny_data
 
 
 @pytest.fixture(scope="module")

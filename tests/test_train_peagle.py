@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from method_checks import check_resume_is_exact, tiny_train_cfg, tiny_training_rows
-from method_checks import tiny_data  # noqa: F401  (a fixture)
+from helpers import check_resume_is_exact, tiny_train_cfg, tiny_training_rows
 
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.heads.kit import causal_mask

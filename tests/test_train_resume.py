@@ -11,7 +11,7 @@ from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.train.config import DeepSpeedConfig, TrainConfig
 from draftsmith.train.eagle3 import Eagle3Config
 from draftsmith.train.run import run
-from test_train_data import make_tiny_data
+from helpers import make_tiny_data
 
 
 @pytest.fixture(scope="module")

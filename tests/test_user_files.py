@@ -22,7 +22,7 @@ import pytest
 from draftsmith.core import DraftsmithError
 from draftsmith.core import artifacts as mf
 from draftsmith.cli import main
-from test_outputs import cli_error, snapshot  # the same refusal and survival checks as the outputs tests
+from helpers import cli_error, snapshot
 
 TRAIN = ["train", "method=eagle3", "target=tiny", "wandb.mode=disabled", "progress=false", "deepspeed=none",
          "method.draft_vocab_size=64", "method.ttt_steps=2", "micro_batch_size=2", "max_steps=2"]
