@@ -4,31 +4,25 @@
     eval    method_for_folder(config.json): load -> proposer (the decoder's interface, eval/proposers/)
     export  method_for_folder(config.json): load -> formats[format]
 
-A method has the same files in each stage, each with the same hooks; its row only names them:
+A method has the same files in each stage; each stage's file ends with its hooks, one typed spec (a frozen dataclass
+of draftsmith.core.method_hooks, so a missing hook or a misspelt one is a TypeError where the module builds it, and
+mypy checks each hook's type):
 
     heads/<m>.py                 the drafter (an nn.Module built from the shared kit, heads/kit.py)
-    heads/<m>_folders.py         ARCHITECTURES, load(folder, target) -> drafter, save(drafter, folder, identity),
-                                 FORMATS {format: writer(drafter, folder, manifest_target, options) -> Path},
-                                 card(options, formats, commands) -> the model card's parts;
-                                 optional: claims(config.json) -> bool, FOREIGN_ARCHITECTURES {arch: why not here},
-                                 aux_layer_ids(num_layers) -> the target layers whose hidden states it reads
-                                 (data-gen captures them, train and eval compute them; absent: it reads none),
-                                 engine_warning(drafter, result) -> one sentence or None: where a serving engine's
-                                 run (eval engine=vllm: the job's result) computes the drafter otherwise than its
-                                 contract (absent: no warning)
-    train/<m>.py                 Config (the `method=<m>` options dataclass), new_drafter(target, cfg, train, resume),
-                                 training(drafter, target, cfg, mode, autocast) -> (module, prepare),
-                                 summarize(stats) -> dict, OFFLINE_DATA (what mode=offline reads)
+    heads/<m>_folders.py         HOOKS = FolderHooks(architectures, formats, load, save, ...): how its folders are
+                                 recognised, loaded, saved, exported and published
+    train/<m>.py                 HOOKS = TrainingHooks(config, offline_data, new_drafter, training, summarize)
     eval/proposers/<m>.py        proposer(drafter, target_vocab_size, max_len) -> Proposer
     configs/method/<m>.yaml      the options' defaults
 
 The rows are in draftsmith.methods (commands/methods.py, the package root, which registers them when `draftsmith` is
-imported, so before any stage asks): each names its modules with a loader, a function whose body is the import of
-the module, run when a stage first asks for a hook, so `draftsmith eval` never imports training code and
-`draftsmith train` never imports eval's; a method defined outside draftsmith registers its row with `register`. A row
-without `training_module` can be evaluated (its folders loaded and drafted with) but not trained. A row's `engines`
-(draftsmith.core.engine.Engines) are vLLM's and SGLang's names for the method: eval's recommended serving settings and
-publish's card come from them (eval/cost.py `serving_settings`).
+imported, so before any stage asks): each names its hooks with loaders named after the files they read (`folders`,
+`proposers`, `train`), functions whose bodies import the module and return its HOOKS (eval/proposers/<m>.py: its
+`proposer`), run when a stage first asks for a hook, so `draftsmith eval` never
+imports training code and `draftsmith train` never imports eval's; a method defined outside draftsmith registers its
+row with `register`. A row without `train` can be evaluated (its folders loaded and drafted with) but not trained.
+A row's `engines` (draftsmith.core.engine.Engines) are vLLM's and SGLang's names for the method: eval's recommended
+serving settings and publish's card come from them (eval/cost.py `serving_settings`).
 """
 
 from __future__ import annotations
@@ -36,121 +30,81 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 from omegaconf import OmegaConf
 
 from draftsmith.core import DraftsmithError
 from draftsmith.core.engine import Engines
-
-
-# ---- the hooks each module holds ------------------------------------------------------------------------
-
-class Folders(Protocol):
-    """heads/<m>_folders.py"""
-
-    ARCHITECTURES: tuple[str, ...]  # config.json `architectures` of its folders; () = any other (the catch-all)
-    FORMATS: dict[str, Callable[[Any, Path, Optional[dict], Any], Path]]
-
-    def load(self, folder: Path, target: Any = None) -> Any: ...  # checked against the target when given
-    def save(self, drafter: Any, folder: Path, identity: dict) -> Path: ...
-    def card(self, options: dict, formats: list[str], commands: dict) -> dict: ...
-    # optional: def aux_layer_ids(self, num_layers: int) -> list[int]: ...  (a drafter fed by target features)
-    # optional: def engine_warning(self, drafter: Any, result: dict) -> Optional[str]: ...  (vLLM's defects for it)
-
-
-class Training(Protocol):
-    """train/<m>.py"""
-
-    Config: type  # the `method=<m>` options dataclass
-    OFFLINE_DATA: str  # what mode=offline reads from a data-gen folder (its manifest key)
-
-    def new_drafter(self, target: Any, cfg: Any, train: Any, resume: Optional[Path]) -> Any: ...
-    def training(self, drafter: Any, target: Any, cfg: Any, mode: str, autocast: Callable) -> tuple[Any, Callable]: ...
-    def summarize(self, stats: Any) -> dict: ...
-
-
-class Proposing(Protocol):
-    """eval/proposers/<m>.py"""
-
-    def proposer(self, drafter: Any, target_vocab_size: int, max_len: int) -> Any: ...
+from draftsmith.core.method_hooks import FolderHooks, FormatWriter, ProposerBuilder, TrainingHooks
 
 
 @dataclass(frozen=True)
 class Method:
-    """One row: the method's name, loaders of the modules holding its hooks and what the engines call it."""
+    """One row: the method's name, loaders of its hooks and what the engines call it."""
 
     name: str
-    folders: Callable[[], ModuleType]  # () -> heads/<m>_folders.py
-    proposers: Callable[[], ModuleType]  # () -> eval/proposers/<m>.py
-    training_module: Optional[Callable[[], ModuleType]] = None  # () -> train/<m>.py; None = not trainable
+    folders: Callable[[], FolderHooks]  # () -> heads/<m>_folders.py HOOKS
+    proposers: Callable[[], ProposerBuilder]  # () -> eval/proposers/<m>.py proposer
+    train: Optional[Callable[[], TrainingHooks]] = None  # () -> train/<m>.py HOOKS; None = not trainable
     engines: Engines = Engines(vllm=None)  # vLLM's and SGLang's names for it (eval's report, publish's card)
 
-    @property
-    def heads(self) -> Folders:
-        return self.folders()
-
-    @property
-    def train(self) -> Optional[Training]:
-        return self.training_module() if self.training_module is not None else None
-
-    def trainable(self) -> Training:
+    def trainable(self) -> TrainingHooks:
         """The training hooks; a method without them cannot be trained (one sentence)."""
-        if self.training_module is None:
+        if self.train is None:
             raise DraftsmithError(f"method={self.name!r} cannot be trained; the trainable methods are "
                                   f"{', '.join(trainable())}.")
-        return self.training_module()
+        return self.train()
 
     # what the stages read
     @property
     def architectures(self) -> tuple[str, ...]:
-        return tuple(self.heads.ARCHITECTURES)
+        return tuple(self.folders().architectures)
 
     @property
     def foreign_architectures(self) -> dict[str, str]:
-        return dict(getattr(self.heads, "FOREIGN_ARCHITECTURES", {}))
+        return dict(self.folders().foreign_architectures)
 
     @property
     def claims(self) -> Optional[Callable[[dict], bool]]:
-        return getattr(self.heads, "claims", None)
+        return self.folders().claims
 
     @property
     def aux_layer_ids(self) -> Optional[Callable[[int], list[int]]]:
         """num_layers -> the target layers the drafter reads (its request to data-gen, train and eval); None: none."""
-        return getattr(self.heads, "aux_layer_ids", None)
+        return self.folders().aux_layer_ids
 
     @property
     def engine_warning(self) -> Optional[Callable[[Any, dict], Optional[str]]]:
         """(drafter, the engine job's result) -> one sentence where the engine computes the drafter otherwise than
         its contract, else None; None: the method has no such check."""
-        return getattr(self.heads, "engine_warning", None)
+        return self.folders().engine_warning
 
     @property
-    def formats(self) -> dict[str, Callable]:
-        return self.heads.FORMATS
+    def formats(self) -> dict[str, FormatWriter]:
+        return dict(self.folders().formats)
 
     @property
     def unserved_formats(self) -> dict[str, str]:
-        """format -> why this method cannot be written in it (optional UNSERVED_FORMATS of its folders)."""
-        return dict(getattr(self.heads, "UNSERVED_FORMATS", {}))
+        """format -> why this method cannot be written in it."""
+        return dict(self.folders().unserved_formats)
 
     def load(self, folder: Path, target: Any = None) -> Any:
-        return self.heads.load(folder, target)
+        return self.folders().load(folder, target)
 
     def save(self, drafter: Any, folder: Path, identity: dict) -> Path:
-        return self.heads.save(drafter, folder, identity)
+        return self.folders().save(drafter, folder, identity)
 
     @property
     def card(self) -> Optional[Callable[[dict, list[str], dict], dict]]:
-        return getattr(self.heads, "card", None)
+        return self.folders().card
 
     def proposer(self, drafter: Any, target_vocab_size: int, max_len: int) -> Any:
-        return self.proposers().proposer(drafter, target_vocab_size, max_len)
+        return self.proposers()(drafter, target_vocab_size, max_len)
 
     @property
     def config(self) -> Optional[type]:
-        return self.train.Config if self.train is not None else None
+        return self.train().config if self.train is not None else None
 
     @property
     def new_drafter(self) -> Callable:
@@ -166,7 +120,7 @@ class Method:
 
     @property
     def offline_data(self) -> str:
-        return self.train.OFFLINE_DATA if self.train is not None else "hidden_states"
+        return self.train().offline_data if self.train is not None else "hidden_states"
 
 
 # ---- the table: draftsmith.methods (commands/methods.py) registers the package's rows ------------------------
@@ -185,7 +139,7 @@ def register(entry: Method) -> None:
 
 
 def trainable() -> list[str]:
-    return [name for name, m in methods().items() if m.training_module is not None]
+    return [name for name, m in methods().items() if m.train is not None]
 
 
 def method_for_config(method_cfg: Any) -> Method:
@@ -194,8 +148,8 @@ def method_for_config(method_cfg: Any) -> Method:
     for entry in methods().values():
         if entry.config is not None and entry.config is cls:
             return entry
-    name = getattr(method_cfg, "name", None)
-    raise DraftsmithError(f"method={name!r} is not one of the trainable methods {', '.join(trainable())}.")
+    name = cls.__name__ if cls is not None else "untyped"
+    raise DraftsmithError(f"method options {name} are not those of a trainable method ({', '.join(trainable())}).")
 
 
 def read_folder_config(folder: Path) -> dict:

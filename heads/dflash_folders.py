@@ -51,6 +51,7 @@ from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.folders import (build_head, export_verifier, folder_hooks,
                                       folder_tensors, gguf_writer, with_target_embeddings,
                                       write_head_folder)
+from draftsmith.core.method_hooks import FolderHooks
 from draftsmith.core.layers import default_aux_layer_ids
 
 ARCHITECTURES = (DFLASH_ARCHITECTURE,)
@@ -118,9 +119,6 @@ def dflash_for_gguf(head: DFlashHead, folder: Path, manifest_target: Optional[di
 
 # ---- the method table's hooks (draftsmith.core.methods) -------------------------------------------------------------
 
-# the target layers it reads (low, middle, high: EAGLE-3's, so data-gen's shards serve it), captured by data-gen and
-# computed by train / eval's runner; its folders always name them
-aux_layer_ids = default_aux_layer_ids
 load_checked, save = folder_hooks(load_dflash, save_dflash)
 
 
@@ -182,3 +180,10 @@ def card(options: dict, formats: list[str], commands: dict) -> dict:
                   "speculators": "vLLM `DFlashSpeculator`, speculators_config (algorithm dflash)"},
         "draft_vocab_size": options.get("draft_vocab_size"),
     }
+
+
+HOOKS = FolderHooks(architectures=ARCHITECTURES, formats=FORMATS, load=load, save=save, card=card,
+                    foreign_architectures=FOREIGN_ARCHITECTURES,
+                    # the target layers it reads (low, middle, high: EAGLE-3's, so data-gen's shards serve it),
+                    # captured by data-gen and computed by train / eval's runner; its folders always name them
+                    aux_layer_ids=default_aux_layer_ids, engine_warning=engine_warning)

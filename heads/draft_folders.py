@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from draftsmith.core.method_hooks import FolderHooks
 from draftsmith.core.artifacts import atomic_folder, write_manifest
 from draftsmith.core.trust import remote_code_refused
 from draftsmith.heads.draft import DRAFT_CODE_FIX, DraftLM, check_draft_weights
@@ -119,3 +120,6 @@ def card(options: dict, formats: list[str], commands: dict) -> dict:
                         "method, SGLang's STANDALONE algorithm"},
         "draft_vocab_size": None,
     }
+
+
+HOOKS = FolderHooks(architectures=ARCHITECTURES, formats=FORMATS, load=load, save=save, card=card)

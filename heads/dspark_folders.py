@@ -42,6 +42,7 @@ from typing import Optional
 
 import torch
 
+from draftsmith.core.method_hooks import FolderHooks
 from draftsmith.core import DraftsmithError
 from draftsmith.core.layers import default_aux_layer_ids
 from draftsmith.heads.block_folders import (GGUF_CONVERTER_ARCHITECTURE, check_gguf_vocab, check_target_layers,
@@ -134,8 +135,6 @@ def load_dspark(folder: str | os.PathLike, device="cpu", dtype: Optional[torch.d
 
 # ---- the method table's hooks (draftsmith.core.methods) -------------------------------------------------------------
 
-# the target layers it reads (DFlash's: low, middle, high), captured by data-gen and computed by train / eval's runner
-aux_layer_ids = default_aux_layer_ids
 load_checked, save = folder_hooks(load_dspark, save_dspark)
 
 
@@ -189,3 +188,11 @@ def write_speculators(head: DSparkHead, folder: Path, manifest_target: Optional[
 # gguf: for `llama-server -md dspark.gguf --spec-type draft-dspark`
 FORMATS = {"dspark": write_dspark, "speculators": write_speculators,
            "gguf": gguf_writer(dspark_for_gguf, "dspark.gguf", needs_target=True)}
+
+
+# no card: publish does not describe DSpark heads yet
+HOOKS = FolderHooks(architectures=ARCHITECTURES, formats=FORMATS, load=load, save=save,
+                    foreign_architectures=FOREIGN_ARCHITECTURES,
+                    # the target layers it reads (DFlash's: low, middle, high), captured by data-gen and computed by
+                    # train / eval's runner
+                    aux_layer_ids=default_aux_layer_ids)

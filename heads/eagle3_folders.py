@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from draftsmith.core.method_hooks import FolderHooks
 from draftsmith.core import DraftsmithError
 from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS
 from draftsmith.heads.eagle3 import NUM_AUX, Eagle3Head, norms_of
@@ -169,8 +170,6 @@ def eagle3_for_gguf(head: Eagle3Head, folder: Path, manifest_target: Optional[di
 
 # ---- the method table's hooks (draftsmith.core.methods) --------------------------------------------------
 
-# the target layers it reads (low, middle, high), captured by data-gen and computed by train / eval's runner
-aux_layer_ids = default_aux_layer_ids
 load, save = folder_hooks(load_eagle3, save_eagle3)
 # gguf: for `llama-server -md` (--spec-type draft-eagle3); the converter reads the target's config and tokenizer
 FORMATS = {"eagle3": export_writer(save_eagle3), "speculators": speculators_writer(save_speculators),
@@ -197,3 +196,10 @@ def card(options: dict, formats: list[str], commands: dict) -> dict:
         "files": {"eagle3": "vLLM `LlamaForCausalLMEagle3`, SGLang", "speculators": "vLLM `Eagle3DraftModel`, speculators_config"},
         "draft_vocab_size": options.get("draft_vocab_size"),
     }
+
+
+HOOKS = FolderHooks(architectures=ARCHITECTURES, formats=FORMATS, load=load, save=save, card=card,
+                    foreign_architectures=FOREIGN_ARCHITECTURES,
+                    # the target layers it reads (low, middle, high), captured by data-gen and computed by train /
+                    # eval's runner
+                    aux_layer_ids=default_aux_layer_ids)

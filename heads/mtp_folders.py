@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 from safetensors import safe_open
 
+from draftsmith.core.method_hooks import FolderHooks
 from draftsmith.core import DraftsmithError
 from draftsmith.core.artifacts import atomic_folder, atomic_write_json, claim_output, write_manifest
 from draftsmith.core.trust import check_weights_file
@@ -378,3 +379,7 @@ def card(options: dict, formats: list[str], commands: dict) -> dict:
         "commands": commands,
         "files": {"mimo": f"the target folder with its MTP layers ({MIMO_ARCHITECTURE})"},
     }
+
+
+HOOKS = FolderHooks(architectures=ARCHITECTURES, formats=FORMATS, load=load, save=save, card=card, claims=claims,
+                    aux_layer_ids=aux_layer_ids)

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from draftsmith.core.method_hooks import FolderHooks
 from draftsmith.core import DraftsmithError
 from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS
 from draftsmith.heads.folders import (CONFIG, EAGLE3_ARCHITECTURE, EMBED, WEIGHTS, build_head,
@@ -140,11 +141,6 @@ def save_speculators_peagle(head: PEagleHead, folder: str | os.PathLike, verifie
 
 # ---- the method table's hooks (draftsmith.core.methods) -------------------------------------------------------------------
 
-claims = is_peagle_folder
-
-
-# the target layers it reads (low, middle, high), captured by data-gen and computed by train / eval's runner
-aux_layer_ids = default_aux_layer_ids
 load, save = folder_hooks(load_peagle, save_peagle)
 # formats other methods have that this one cannot be written in: export says why in one sentence
 UNSERVED_FORMATS = {"gguf": "llama.cpp has no P-EAGLE loader (no parallel-drafting graph in its tree); export "
@@ -172,3 +168,11 @@ def card(options: dict, formats: list[str], commands: dict) -> dict:
                   "speculators": "vLLM `PEagleDraftModel`, speculators_config (algorithm peagle)"},
         "draft_vocab_size": options.get("draft_vocab_size"),
     }
+
+
+HOOKS = FolderHooks(architectures=ARCHITECTURES, formats=FORMATS, load=load, save=save, card=card,
+                    claims=is_peagle_folder,  # EAGLE-3's architecture, with "parallel_drafting": true
+                    foreign_architectures=FOREIGN_ARCHITECTURES, unserved_formats=UNSERVED_FORMATS,
+                    # the target layers it reads (low, middle, high), captured by data-gen and computed by train /
+                    # eval's runner
+                    aux_layer_ids=default_aux_layer_ids)

@@ -18,6 +18,7 @@ from draftsmith.cli import main
 from draftsmith.configs import compose
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS, Engines
+from draftsmith.core.method_hooks import FolderHooks
 from draftsmith.eval.cost import serving_settings
 from draftsmith.eval.decoder import DraftingConfig
 from draftsmith.eval.proposers.peagle import proposer as peagle_proposer
@@ -53,8 +54,10 @@ def test_every_row_says_what_the_engines_call_it():
     assert mtp["config"] == {"method": "mtp", "num_speculative_tokens": 3}
     assert mtp["command"] == "vllm serve runs/stitched --speculative-config '{\"method\": \"mtp\", " \
                              "\"num_speculative_tokens\": 3}'"
-    x = types.ModuleType("x")
-    assert methods.Method("x", folders=lambda: x, proposers=lambda: x).engines.vllm is None  # serves nowhere by default
+    x = FolderHooks(architectures=("X",), formats={}, load=lambda folder, target: None,
+                    save=lambda drafter, folder, identity: folder)
+    row = methods.Method("x", folders=lambda: x, proposers=lambda: lambda drafter, vocab_size, max_len: None)
+    assert row.engines.vllm is None  # serves nowhere by default
 
 
 # --------------------------------------------------------------------------- K: one name, one default
@@ -114,12 +117,12 @@ def test_training_a_peagle_head_records_method_depths(tiny_target):
 
 @pytest.fixture
 def layer_probe_method():
-    """A row whose folders module asks for target layers [0, N] (registered from outside the package)."""
-    mod = types.ModuleType("layer_probe_folders")
-    mod.ARCHITECTURES, mod.FORMATS = ("LayerProbe",), {}
-    mod.aux_layer_ids = lambda num_layers: [0, num_layers]
-    methods.register(methods.Method("layerprobe", folders=lambda: mod, proposers=lambda: mod))
-    yield mod
+    """A row whose folders' hooks ask for target layers [0, N] (registered from outside the package)."""
+    hooks = FolderHooks(architectures=("LayerProbe",), formats={}, load=lambda folder, target: None,
+                        save=lambda drafter, folder, identity: folder, aux_layer_ids=lambda num_layers: [0, num_layers])
+    methods.register(methods.Method("layerprobe", folders=lambda: hooks,
+                                    proposers=lambda: lambda drafter, vocab_size, max_len: None))
+    yield hooks
     del methods.methods()["layerprobe"]
 
 

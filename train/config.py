@@ -42,8 +42,9 @@ class DeepSpeedConfig:
 @dataclass
 class TrainConfig:
     # The drafting method and its options: method=<name> picks configs/method/<name>.yaml, typed by the method's
-    # Config (train/<name>.py, its row in draftsmith.core.methods; method.draft_vocab_size=8192, ...). No method is
-    # the default here: `draftsmith train` takes configs/train.yaml's default, code passes method=<name>.Config().
+    # options dataclass (train/<name>.py's HOOKS.config, its row in draftsmith.core.methods;
+    # method.draft_vocab_size=8192, ...). No method is the default here: `draftsmith train` takes configs/train.yaml's
+    # default, code passes one (method=Eagle3Config(), ...).
     method: Any = MISSING
     CHOSEN_BY_GROUP: ClassVar[tuple[str, ...]] = ("method",)
     target: TargetConfig = field(default_factory=TargetConfig)

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.core import DraftsmithError, checks
+from draftsmith.core.method_hooks import TrainingHooks
 from draftsmith.heads.dflash import DFlashHead, block_mask, dflash_config_from_target
 from draftsmith.train.block import block_forward, block_prepare, counted_slots, slot_stats
 from draftsmith.train.features import TargetSide, vocab_map_for
@@ -168,8 +169,7 @@ def dflash_training(head: DFlashHead, target, cfg: DFlashConfig, mode: str,
     return DFlashStep(head, cfg), block_prepare(head.t2d, target, mode, autocast, cfg.max_anchors)
 
 
-# the method table's hooks (draftsmith.core.methods)
-Config = DFlashConfig
-new_drafter = new_dflash
-training = dflash_training
 summarize = partial(summarize_steps, columns=STATS)  # metrics and E[tau] from the summed statistics
+# the method table's hooks (draftsmith.core.method_hooks)
+HOOKS = TrainingHooks(config=DFlashConfig, offline_data=OFFLINE_DATA, new_drafter=new_dflash, training=dflash_training,
+                      summarize=summarize)

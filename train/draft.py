@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from draftsmith.core import DraftsmithError, checks
+from draftsmith.core.method_hooks import TrainingHooks
 from draftsmith.heads.draft import LORA_TARGETS, DraftLM, draft_from_model, draft_from_target, draft_scratch, pick_layers
 from draftsmith.train import losses
 
@@ -231,8 +232,6 @@ def draft_training(drafter: DraftLM, target, cfg: DraftConfig, mode: str,
     return DraftStep(drafter, parse_loss(cfg.loss), T, cfg.jsd_beta), prepare
 
 
-# the method table's hooks (draftsmith.core.methods)
-Config = DraftConfig
-OFFLINE_DATA = "topk_logits"  # what mode=offline reads from a data-gen folder
-new_drafter = new_draft
-training = draft_training
+# the method table's hooks (draftsmith.core.method_hooks); mode=offline reads the target's top-k logits
+HOOKS = TrainingHooks(config=DraftConfig, offline_data="topk_logits", new_drafter=new_draft, training=draft_training,
+                      summarize=summarize)

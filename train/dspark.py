@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.core import DraftsmithError, checks
+from draftsmith.core.method_hooks import TrainingHooks
 from draftsmith.heads.block import block_mask
 from draftsmith.heads.block_folders import DFLASH_ARCHITECTURE, read_dflash_folder
 from draftsmith.heads.dspark import DEFAULT_MARKOV_RANK, DSparkHead, dspark_config_from_target
@@ -235,8 +236,7 @@ def dspark_training(head: DSparkHead, target, cfg: DSparkConfig, mode: str,
     return DSparkStep(head, cfg), block_prepare(head.t2d, target, mode, autocast, cfg.max_anchors)
 
 
-# the method table's hooks (draftsmith.core.methods)
-Config = DSparkConfig
-new_drafter = new_dspark
-training = dspark_training
-# summarize (above): metrics, E[tau] and the confidence's calibration from the summed statistics
+# the method table's hooks (draftsmith.core.method_hooks); summarize (above): metrics, E[tau] and the confidence's
+# calibration from the summed statistics
+HOOKS = TrainingHooks(config=DSparkConfig, offline_data=OFFLINE_DATA, new_drafter=new_dspark, training=dspark_training,
+                      summarize=summarize)

@@ -59,6 +59,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import rotate_half
 
 from draftsmith.core import checks
+from draftsmith.core.method_hooks import TrainingHooks
 from draftsmith.heads.eagle3 import NORMS, Eagle3Head, eagle3_config_from_target
 from draftsmith.train.features import TargetSide, target_prepare, vocab_map_for
 from draftsmith.train.stats import CHAIN_STATS, STEP_STATS, summarize_steps
@@ -556,11 +557,10 @@ def eagle3_training(head: Eagle3Head, target, cfg: Eagle3Config, mode: str,
             target_prepare(head.t2d, target, mode, autocast))
 
 
-# the method table's hooks (draftsmith.core.methods)
-Config = Eagle3Config
-new_drafter = new_eagle3
-training = eagle3_training
 summarize = partial(summarize_steps, columns=STATS)  # metrics and E[tau] from the summed statistics
+# the method table's hooks (draftsmith.core.method_hooks)
+HOOKS = TrainingHooks(config=Eagle3Config, offline_data=OFFLINE_DATA, new_drafter=new_eagle3, training=eagle3_training,
+                      summarize=summarize)
 
 
 # ---- the check of the memory-efficient attention against the dense one (tests on the CPU; on CUDA the GPU check,

@@ -36,6 +36,7 @@ from torch import nn
 
 from draftsmith.core import DraftsmithError, checks
 from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS, served_folder
+from draftsmith.core.method_hooks import TrainingHooks
 from draftsmith.heads.kit import ConcatKVCache
 from draftsmith.heads.mtp import MTPDrafter, init_mtp_layer, mtp_config_from_target
 from draftsmith.heads.mtp_folders import ENGINE_INPUTS, MIMO_ARCHITECTURE, claims, load_mtp
@@ -182,8 +183,7 @@ def mtp_training(drafter: MTPDrafter, target, cfg: MTPConfig, mode: str,
     return MTPStep(drafter, cfg.steps, cfg.step_decay), target_prepare(every_token, target, mode, autocast)
 
 
-# the method table's hooks (draftsmith.core.methods)
-Config = MTPConfig
-new_drafter = new_mtp
-training = mtp_training
 summarize = partial(summarize_steps, columns=STATS)  # metrics and E[tau] from the summed statistics
+# the method table's hooks (draftsmith.core.method_hooks)
+HOOKS = TrainingHooks(config=MTPConfig, offline_data=OFFLINE_DATA, new_drafter=new_mtp, training=mtp_training,
+                      summarize=summarize)

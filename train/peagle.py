@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.core import DraftsmithError, checks
+from draftsmith.core.method_hooks import TrainingHooks
 from draftsmith.heads.peagle import PEagleHead, peagle_config_from_target, slot_mask
 from draftsmith.train.features import TargetSide, target_prepare, vocab_map_for
 from draftsmith.train.stats import STEP_STATS, summarize_steps
@@ -219,8 +220,7 @@ def peagle_training(head: PEagleHead, target, cfg: PEagleConfig, mode: str,
     return PEagleStep(head, cfg.depths, cfg.depth_decay), prepare
 
 
-# the method table's hooks (draftsmith.core.methods)
-Config = PEagleConfig
-new_drafter = new_peagle
-training = peagle_training
 summarize = partial(summarize_steps, columns=STATS)  # metrics and E[tau] from the summed statistics
+# the method table's hooks (draftsmith.core.method_hooks)
+HOOKS = TrainingHooks(config=PEagleConfig, offline_data=OFFLINE_DATA, new_drafter=new_peagle, training=peagle_training,
+                      summarize=summarize)

@@ -52,7 +52,7 @@ def validate(cfg) -> TrainConfig:
     if OmegaConf.is_missing(cfg if OmegaConf.is_config(cfg) else OmegaConf.structured(cfg), "method"):
         raise DraftsmithError(f"method= is required: one of {', '.join(trainable())} "
                               f"(`draftsmith train method=<name>`; in code, TrainConfig(method=...) with that method's "
-                              f"draftsmith.train.<name>.Config()).")
+                              f"options dataclass, draftsmith.train.<name>.HOOKS.config).")
     return check_config("train", cfg)
 
 

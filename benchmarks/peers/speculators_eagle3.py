@@ -768,20 +768,10 @@ def to_eagle3(speculators_dir: str | Path, out_dir: str | Path) -> Path:
     return save_eagle3(head, Path(out_dir), manifest_target=identity, stage="export")
 
 
-# ---- the method table's hooks (draftsmith.core.methods), for `eval` -------------------------------------
-
-ARCHITECTURES = (SPECULATORS_ARCHITECTURE,)
-FORMATS: dict = {}  # export writes nothing for this row: the speculators folder is already vLLM's format
-
+# ---- the method table's hooks (draftsmith.core.method_hooks), for `eval` -------------------------------
 
 def claims(config: dict) -> bool:
     return config.get("speculators_model_type") == "eagle3"
-
-
-def target_layer_ids(num_layers: int) -> list[int]:
-    from draftsmith.core.layers import default_aux_layer_ids
-
-    return default_aux_layer_ids(num_layers)
 
 
 def load(folder: Path, target=None):
@@ -813,14 +803,19 @@ def save(drafter, folder, identity):
 
 def register_method() -> None:
     """Add the row `speculators_eagle3` to draftsmith's method table (draftsmith.core.methods.register): folders with
-    architectures [Eagle3DraftModel] and speculators_model_type eagle3 load with this module's `load`, and
-    draftsmith's own EAGLE-3 proposer drafts with them; vLLM serves them as eagle3."""
+    architectures [Eagle3DraftModel] and speculators_model_type eagle3 load with this module's `load`, read the
+    target's EAGLE-3 layers (low, middle, high), and draftsmith's own EAGLE-3 proposer drafts with them; vLLM serves
+    them as eagle3."""
     from draftsmith.core.engine import Engines
+    from draftsmith.core.layers import default_aux_layer_ids
+    from draftsmith.core.method_hooks import FolderHooks
     from draftsmith.core.methods import Method, register
     from draftsmith.eval.proposers import eagle3
 
-    this = sys.modules[__name__]  # this script, run as __main__ or loaded by a test
-    register(Method("speculators_eagle3", folders=lambda: this, proposers=lambda: eagle3,
+    # formats: none, export writes nothing for this row (the speculators folder is already vLLM's format)
+    hooks = FolderHooks(architectures=(SPECULATORS_ARCHITECTURE,), formats={}, load=load, save=save, claims=claims,
+                        aux_layer_ids=default_aux_layer_ids)
+    register(Method("speculators_eagle3", folders=lambda: hooks, proposers=lambda: eagle3.proposer,
                     engines=Engines(vllm="eagle3")))
 
 

@@ -8,10 +8,9 @@ from types import SimpleNamespace
 
 from safetensors.torch import load_file
 
+from draftsmith.core.method_hooks import FolderHooks
 from draftsmith.heads.folders import write_head_folder
 from throwaway_method.bigram import ARCH, Bigram
-
-ARCHITECTURES = (ARCH,)
 
 
 def save_bigram(drafter, folder, identity, stage="train"):
@@ -35,4 +34,4 @@ def export_bigram(drafter, folder, manifest_target, options):
     return save_bigram(drafter, folder, manifest_target, stage="export")
 
 
-FORMATS = {"bigram_bin": export_bigram}
+HOOKS = FolderHooks(architectures=(ARCH,), formats={"bigram_bin": export_bigram}, load=load, save=save)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith.core.method_hooks import TrainingHooks
 from throwaway_method.bigram import Bigram
 
 
@@ -44,5 +45,5 @@ def summarize(stats):
     return {"loss_0": (s[0, 0] / s[0, 1].clamp(min=1)).item()}
 
 
-Config = BigramConfig
-OFFLINE_DATA = "hidden_states"
+HOOKS = TrainingHooks(config=BigramConfig, offline_data="hidden_states", new_drafter=new_drafter, training=training,
+                      summarize=summarize)
