@@ -35,7 +35,8 @@ def test_jsd_beta_and_ce_and_mix():
     beta = 0.2  # m = 0.2 p + 0.8 q = (0.3, 0.7)
     want = beta * (0.5 * ln(0.5 / 0.3) + 0.5 * ln(0.5 / 0.7)) + (1 - beta) * (0.25 * ln(0.25 / 0.3) + 0.75 * ln(0.75 / 0.7))
     assert losses.jsd(P.log(), Q.log(), beta).item() == pytest.approx(want, rel=1e-12)
-    assert losses.sampled_ce(Q.log(), torch.tensor([1])).item() == pytest.approx(-ln(0.75), rel=1e-12)
+    # CE = -log q_x, x = the target's sampled token (here token 1: log q_x = ln 0.75)
+    assert losses.mix({"ce": 1.0}, P.log(), Q.log(), Q.log()[:, 1])[1]["ce"].item() == pytest.approx(-ln(0.75), rel=1e-12)
     total, _ = losses.mix(parse_loss("0.7*fkl+0.3*ce"), P.log(), Q.log(), Q.log()[:, 1])
     assert total.item() == pytest.approx(0.7 * BY_HAND["fkl"] - 0.3 * ln(0.75), rel=1e-12)
     assert losses.acceptance(P.log(), Q.log()).item() == pytest.approx(0.75)  # = 1 - TV

@@ -56,11 +56,6 @@ def total_variation(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     return 0.5 * (logp.exp() - logq.exp()).abs().sum(-1)
 
 
-def sampled_ce(logq: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    # CE = -log q_x, x = the target's sampled next token (N,)
-    return -logq.gather(-1, tokens[:, None]).squeeze(-1)
-
-
 DIVERGENCES = {"fkl": forward_kl, "rkl": reverse_kl, "tv": total_variation}
 
 
