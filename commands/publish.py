@@ -238,8 +238,8 @@ def run(cfg: PublishConfig) -> dict:
     report = matching_report(cfg, folder)
     target = read_manifest(folder).get("target", {}) if (folder / MANIFEST).is_file() else {}
     base_model, license = resolve_base_model(cfg, target)
-    k = cfg.num_speculative_tokens or (report[0]["drafting"]["num_speculative_tokens"] if report
-                                      else NUM_SPECULATIVE_TOKENS)
+    num_speculative_tokens = cfg.num_speculative_tokens or (report[0]["drafting"]["num_speculative_tokens"]
+                                                            if report else NUM_SPECULATIVE_TOKENS)
     if not cfg.dry_run and hub_offline():
         raise DraftsmithError(offline_refusal())
     if not cfg.dry_run and not has_token():
@@ -249,7 +249,7 @@ def run(cfg: PublishConfig) -> dict:
     inputs = [("head", head_arg), ("head", folder)] + ([("report", cfg.report)] if cfg.report else [])
     out = prepare_output(out, "publish", inputs, overwrite=bool(cfg.overwrite))
     public = public_paths(cfg, folder, report, target, base_model, repo_id)
-    write_publish_folder(cfg, out, folder, report, base_model, license, int(k), method,
+    write_publish_folder(cfg, out, folder, report, base_model, license, int(num_speculative_tokens), method,
                          read_folder_config(folder).get("num_hidden_layers"), public)
     files = upload_files(out)
     result = {"out": str(out), "repo_id": repo_id, "files": files, "uploaded": False}

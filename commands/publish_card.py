@@ -15,14 +15,15 @@ from draftsmith.core.engine import Engines
 from draftsmith.eval.cost import serving_settings
 
 
-def card_commands(method: str, engines: Engines, base_model: str, repo_id: str, k: int,
+def card_commands(method: str, engines: Engines, base_model: str, repo_id: str, num_speculative_tokens: int,
                   report: Optional[dict]) -> dict:
     """The card's serving commands, one flag per line: eval's `serving_settings` (the one place that knows the
     engines' flags) for the drafting mode the eval report measured; an engine that cannot serve `method` is left
     out."""
     drafting = (report or {}).get("drafting") or {}
     tree = drafting.get("mode") == "tree"
-    settings = serving_settings(method, engines, base_model, repo_id, k, "tree" if tree else "chain",
+    settings = serving_settings(method, engines, base_model, repo_id, num_speculative_tokens,
+                                "tree" if tree else "chain",
                                 tree_top_k=int(drafting.get("tree_top_k", 1)),
                                 tree_size=int(drafting["tree_budget"]) if tree and drafting.get("tree_budget") else None,
                                 line_break=True)
@@ -165,7 +166,7 @@ def method_defaults(method) -> dict:
     return out
 
 
-def build_card(cfg, base_model: str, license: str, report: Optional[dict], summary: dict, k: int,
+def build_card(cfg, base_model: str, license: str, report: Optional[dict], summary: dict, num_speculative_tokens: int,
                formats: list[str], plot: bool, method, num_layers: Optional[int] = None,
                gguf_file: Optional[str] = None) -> str:
     """README.md: Hub metadata (base_model, license, library_name, tags, pipeline_tag, model-index) + the card.
@@ -178,7 +179,8 @@ def build_card(cfg, base_model: str, license: str, report: Optional[dict], summa
     # config.json), never a default the head may not have
     options = {**method_defaults(method), **({"num_layers": num_layers} if num_layers is not None else {}),
                **(train.get("method") if isinstance(train.get("method"), dict) else {})}
-    parts = method.card(options, formats, card_commands(method.name, method.engines, base_model, cfg.repo_id, k, report))
+    serving = card_commands(method.name, method.engines, base_model, cfg.repo_id, num_speculative_tokens, report)
+    parts = method.card(options, formats, serving)
     commands = parts["commands"]
     data = ModelCardData(base_model=base_model, license=license, library_name=cfg.library_name, tags=parts["tags"],
                          pipeline_tag="text-generation", model_name=name,
@@ -202,7 +204,7 @@ def build_card(cfg, base_model: str, license: str, report: Optional[dict], summa
     elif "llamacpp" in commands:  # llama.cpp loads GGUF files only: the target's, and this head converted
         body += ["llama.cpp (CPU), after `draftsmith export head=<this folder> format=gguf` (llama.cpp's own "
                  "converter) and with the target as a GGUF file:", "", "```bash", commands["llamacpp"], "```", ""]
-    body += [f"K = {k} speculative tokens" + (" (the eval's setting)." if report else "."), ""]
+    body += [f"K = {num_speculative_tokens} speculative tokens" + (" (the eval's setting)." if report else "."), ""]
     body += eval_section(report, plot) + method_section(summary, parts)
     files = parts["files"] | {"gguf": f"llama.cpp's `-md` file, {cfg.gguf_outtype} weights"}
     body += ["## Files", ""] + [f"- `{'.' if i == 0 else fmt + '/'}`: the {fmt} format ({files[fmt]})"

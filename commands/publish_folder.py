@@ -32,13 +32,14 @@ def refuse_links(*paths: Path) -> None:
 EVAL_FILES = ("report.md", "report.png")  # copied beside report.json into eval/ when the eval folder has them
 
 
-def write_formats(folder: Path, tmp: Path, formats: list[str], cfg, base_model: str, k: int, method) -> None:
+def write_formats(folder: Path, tmp: Path, formats: list[str], cfg, base_model: str, num_speculative_tokens: int,
+                  method) -> None:
     """Export the head into tmp with its method's writers: the first format at the root, the others in subfolders."""
     head = method.load(folder)
     target = read_manifest(folder).get("target") if (folder / MANIFEST).is_file() else None
     target_id = (target or {}).get("target_id")
-    options = FormatOptions(torch_dtype(cfg.dtype), cfg.include_embeddings, verifier=base_model, num_speculative_tokens=k,
-                            target_folder=lambda: head_target_folder(None, target_id), gguf_outtype=cfg.gguf_outtype)
+    options = FormatOptions(torch_dtype(cfg.dtype), cfg.include_embeddings, verifier=base_model,
+                            num_speculative_tokens=num_speculative_tokens, target_folder=lambda: head_target_folder(None, target_id), gguf_outtype=cfg.gguf_outtype)
     for i, fmt in enumerate(formats):
         sub = tmp / (f".{fmt}-root" if i == 0 else fmt)
         method.formats[fmt](head, sub, target, options)
@@ -50,7 +51,7 @@ def write_formats(folder: Path, tmp: Path, formats: list[str], cfg, base_model: 
 
 
 def write_publish_folder(cfg, out: Path, folder: Path, report: Optional[tuple[dict, Path]], base_model: str,
-                         license: str, k: int, method, num_layers: Optional[int],
+                         license: str, num_speculative_tokens: int, method, num_layers: Optional[int],
                          public: Optional[PublicPaths] = None) -> Path:
     """The Hub-ready folder (atomically): formats, eval/ (report + plot), README.md; `method`: the folder's
     entry in draftsmith.core.methods (`head_folder` finds it); `num_layers`: the folder's own layer count (its
@@ -60,7 +61,7 @@ def write_publish_folder(cfg, out: Path, folder: Path, report: Optional[tuple[di
     formats = list(cfg.formats) if cfg.formats is not None else [f for f in method.formats if f != "gguf"]
     with atomic_folder(out, owner="publish", overwrite=bool(cfg.overwrite)) as tmp:  # (keeps the user's files)
         claim_output(tmp, "publish")
-        write_formats(folder, tmp, formats, cfg, base_model, k, method)
+        write_formats(folder, tmp, formats, cfg, base_model, num_speculative_tokens, method)
         plot = False
         if report is not None:
             data, where = report
@@ -73,8 +74,8 @@ def write_publish_folder(cfg, out: Path, folder: Path, report: Optional[tuple[di
             plot = (tmp / "eval" / "report.png").is_file()
         summary = training_summary(folder, method.offline_data)
         gguf_file = next((p.relative_to(tmp).as_posix() for p in sorted(tmp.rglob("*.gguf"))), None)
-        card = build_card(cfg, base_model, license, report[0] if report else None, summary, k, formats, plot, method,
-                          num_layers, gguf_file)
+        card = build_card(cfg, base_model, license, report[0] if report else None, summary, num_speculative_tokens,
+                          formats, plot, method, num_layers, gguf_file)
         atomic_write_bytes(tmp / "README.md", card.encode())
         if public is not None:
             public.rewrite(tmp)
