@@ -15,8 +15,8 @@ Sources (cfg.source):
 from __future__ import annotations
 
 import json
+import logging
 import random
-import sys
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
@@ -30,6 +30,8 @@ from draftsmith.data_gen.regenerate import SamplingParams, generate_tokens
 from draftsmith.data_gen.tokenize import apply_chat_template
 from draftsmith.core.progress import progress
 from draftsmith.core.sampling import hash_seed
+
+log = logging.getLogger(__name__)
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
@@ -155,7 +157,7 @@ def with_user_turn(records: Iterable[dict], where: str, skipped: Optional[list] 
         else:
             skipped.append(record["line"])
     if skipped:
-        print(f"prompts: skipped {skipped_text(skipped, where, unit)}.", file=sys.stderr, flush=True)
+        log.warning(f"prompts: skipped {skipped_text(skipped, where, unit)}.")
 
 
 def skipped_text(skipped: list, where: str, unit: str = "line") -> str:
@@ -264,8 +266,8 @@ def self_prompts(target, cfg: PromptsConfig, filters=None, dropped: Optional[dic
         dropped.update(check.dropped)
     if check is not None:
         total = sum(check.dropped.values())
-        print(f"prompts: filters dropped {total} of {total + len(samples)} self-written prompts "
-              f"({filter_counts_text(check.dropped)}).", file=sys.stderr, flush=True)
+        log.info(f"prompts: filters dropped {total} of {total + len(samples)} self-written prompts "
+                 f"({filter_counts_text(check.dropped)}).")
     return samples
 
 

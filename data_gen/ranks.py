@@ -14,15 +14,15 @@ keeps its chunks. The ranks coordinate through these files only (no torch.distri
 must be on a filesystem they all see. If the tokenized set is already finished with this run's key,
 no rank regenerates or merges (every rank captures; without hidden states rank 0 writes the manifest).
 
-The stage's own steps (regenerating, tokenizing, writing a set, capturing) are in draftsmith.data_gen.run,
-which calls these.
+One process is the plan's simplest case: it builds the whole set and captures every shard. The steps themselves
+(regenerating: data_gen/chunks.py; tokenizing and writing a set: data_gen/sets.py; capturing: data_gen/capture.py)
+know nothing of ranks; draftsmith.data_gen.run calls the plan in the order of the stage.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -33,13 +33,14 @@ from draftsmith.core import DraftsmithError
 from draftsmith.core import artifacts as mf
 from draftsmith.core.locks import acquire_lock as claim_run, claim_dir, claim_file, release_lock
 from draftsmith.core.locks import wait_while_progressing
-from draftsmith.data_gen.capture import finished_shards, num_shards, write_index
+from draftsmith.data_gen.capture import WRITTEN as CAPTURE_FILES
+from draftsmith.data_gen.capture import capture_hidden_states, finished_shards, num_shards, write_index
+from draftsmith.data_gen.chunks import REGEN, chunk_count, chunks_with_failures, drop_extra_chunks
+from draftsmith.data_gen.sets import (COUNT_KEYS, KEY, STATE, build_whole_sets, count_rows, generate_part, read_counts,
+                                      set_ready, unfinish, write_sets)
 
-# What a finished tokenized set leaves beside it (in out/, and in each rank's part): the ranks read them to tell
-# what the others have done, a rerun to tell what it may reuse.
-STATE = ".data_gen_counts.json"  # counts of a finished tokenized set, for resume and merge
-KEY = ".data_gen_key"  # what the finished tokenized set was made from (prompts + settings), for resume
-COUNT_KEYS = ("prompts", "samples", "tokens", "loss_tokens", "truncated", "dropped", "failed")
+log = logging.getLogger(__name__)
+
 LOCK = ".data_gen.lock"  # held while a run writes to `out`
 PARTS = "parts"  # in out/: one folder per rank, merged then removed
 MERGE_LOCK = ".merge.lock"  # in parts/: created by the rank that merges
@@ -71,12 +72,59 @@ def release_locks(*locks: Path | None) -> None:
             release_lock(lock)
 
 
-def read_counts(folder: Path) -> dict:
-    """The counts of the finished tokenized set in `folder` (out/ or a part)."""
-    return json.loads((folder / STATE).read_text())
+# --- what this process builds: the whole tokenized set, or its part (and perhaps the merge) --------
 
 
-# --- the tokenized set: parts, the merge, the wait ----------------------------------------------
+def build_sets(cfg, target, samples: list[dict], out: Path, settings: dict, key: str, rank: int = 0,
+               world: int = 1) -> tuple[str | None, dict | None]:
+    """The tokenized set of `samples` in out/, made by this process or (ranks) merged from every rank's part.
+    Returns (state, this rank's part counts): (None, None) for one process, else see build_part_or_merge."""
+    if world > 1:
+        return build_part_or_merge(cfg, target, samples, out, settings, key, rank, world)
+    build_whole_sets(cfg, target, samples, out, settings, key)
+    return None, None
+
+
+def build_part_or_merge(cfg, target, samples: list[dict], out: Path, settings: dict, key: str,
+                        rank: int, world: int) -> tuple[str, dict | None]:
+    """Several ranks: write this rank's chunks as a part; the last rank to finish merges every part
+    into out/ (with hidden states the others wait for it: every rank captures from the merged set).
+    Returns (state, this rank's part counts): state is "merged" (this rank merged), "part" (another
+    rank merges) or "ready" (the tokenized set was already finished with this key: nothing
+    regenerated nor merged, by any rank)."""
+    if set_ready(out, key):
+        if not (cfg.regenerate and chunks_with_failures(out)):
+            return "ready", None
+        (out / KEY).unlink(missing_ok=True)  # its failed prompts are asked again: no rank may take this set as done
+    part_counts = write_part(cfg, target, samples, out, settings, key, rank, world)
+    if not claim_merge(out, world, key):
+        if cfg.hidden_states:
+            wait_for_merged_set(out, key, rank, world, out / REGEN)
+        return "part", part_counts
+    unfinish(out)
+    conversations, rows, counts = read_parts(out, world)
+    write_sets(out, conversations, rows, counts, keep_order=False)
+    mf.atomic_write_bytes(out / KEY, key.encode())
+    drop_extra_chunks(out, chunk_count(cfg, samples))
+    remove_parts(out)
+    return "merged", part_counts
+
+
+def write_part(cfg, target, samples: list[dict], out: Path, settings: dict, key: str, rank: int, world: int) -> dict:
+    """Regenerate (reusing finished chunks) and tokenize this rank's chunks into its part; returns its counts."""
+    part = part_folder(out, rank)
+    chunk_ids = rank_chunks(chunk_count(cfg, samples), rank, world)
+    n_mine = sum(len(samples[k * cfg.regenerate_chunk:(k + 1) * cfg.regenerate_chunk]) for k in chunk_ids)
+    conversations, rows, counts = generate_part(cfg, target, samples, out, settings, chunk_ids)
+    (part / KEY).unlink(missing_ok=True)
+    part_counts = count_rows(rows, counts, n_mine)
+    write_sets(part, conversations, rows, part_counts, keep_order=True)
+    mf.atomic_write_bytes(part / KEY, key.encode())
+    return part_counts
+
+
+# --- parts, the merge, the wait ------------------------------------------------------------------
+
 
 def rank_chunks(num_chunks: int, rank: int, world: int) -> range:
     """The regeneration chunks rank `rank` takes: rank, rank + world, ..."""
@@ -86,14 +134,6 @@ def rank_chunks(num_chunks: int, rank: int, world: int) -> range:
 def part_folder(out: Path, rank: int) -> Path:
     """Where rank `rank` writes its part of the tokenized set."""
     return out / PARTS / f"rank{rank:05d}"
-
-
-def set_ready(out: Path, key: str) -> bool:
-    """The tokenized set in `out` is finished and was made with `key`."""
-    try:
-        return (out / KEY).read_text() == key and (out / STATE).is_file()
-    except OSError:
-        return False
 
 
 def part_done(out: Path, rank: int, key: str) -> bool:
@@ -184,21 +224,42 @@ def another_rank_writes_the_manifest(hidden_states: bool, state: str | None, ran
 
 # --- the hidden states: the rank that finishes writes the index ----------------------------------
 
+
+def capture(cfg, target, out: Path, rank: int = 0, world: int = 1) -> tuple[dict | None, dict | None, Path | None]:
+    """Offline mode: the hidden states of the tokenized set (finished shards kept); (None, None, None) otherwise.
+
+    Returns (what the manifest records of them, this rank's "captured" and "kept" shards, the finalize lock).
+    One process: (.., None, None). Ranks: this rank's shards; the rank that then finds every shard finished
+    and wins the finalize lock writes index.json and holds the lock (None for the other ranks).
+    """
+    if not cfg.hidden_states:
+        mf.remove_written(out / "hidden_states", (*CAPTURE_FILES, FINALIZE))  # an earlier run's; not a user's file
+        return None, None, None
+    ids = datasets.load_from_disk(str(out / "tokenized"))["input_ids"]
+    folder = out / "hidden_states"
+    index = capture_hidden_states(target, ids, folder, cfg.hidden_states_dtype,
+                                  cfg.samples_per_shard, cfg.capture_batch_size, rank, world, cfg.hidden_states_source)
+    hidden = {k: index[k] for k in ("dtype", "aux_layer_ids", "last_hidden_state", "hidden_size")}
+    if world == 1:
+        return {**hidden, "shards": len(index["shards"])}, None, None
+    captured = {k: index[k] for k in ("captured", "kept")}
+    finalize = finish_capture(folder, index, len(ids), cfg.samples_per_shard, rank, world)
+    return {**hidden, "shards": num_shards(len(ids), cfg.samples_per_shard)}, captured, finalize
+
+
 def finish_capture(folder: Path, index: dict, num_samples: int, samples_per_shard: int, rank: int,
                    world: int) -> Path | None:
     """After this rank's shards: the rank that finds every shard finished and wins the finalize lock writes
     index.json and gets the lock (held until it has written the manifest); None for the others."""
-    print(f"capture: rank {rank}/{world} captured shards {index['captured']}, kept {index['kept']}.",
-          file=sys.stderr, flush=True)
+    log.info(f"capture: rank {rank}/{world} captured shards {index['captured']}, kept {index['kept']}.")
     header = {k: v for k, v in index.items() if k not in ("shards", "complete", "captured", "kept")}
     total = num_shards(num_samples, samples_per_shard)
     if len(finished_shards(folder, header)) < total:
         return None  # a rank still captures: the last one writes the index
     finalize = claim_file(folder / FINALIZE)
     if finalize is None:
-        print(f"capture: rank {rank}/{world}: every shard is finished; the rank holding {folder / FINALIZE} writes "
-              f"the index and the manifest (if no data-gen runs, a killed one left it: delete it and rerun).",
-              file=sys.stderr, flush=True)
+        log.info(f"capture: rank {rank}/{world}: every shard is finished; the rank holding {folder / FINALIZE} writes "
+                 f"the index and the manifest (if no data-gen runs, a killed one left it: delete it and rerun).")
         return None
     done = finished_shards(folder, header)  # again, under the lock
     if len(done) < total:  # (a shard went bad meanwhile: a rerun recomputes it)

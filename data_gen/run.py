@@ -19,7 +19,9 @@ Output (`out/`; see draftsmith.data_gen.dataset for the reader's contract):
   .data_gen.lock               while a run writes to `out`: its pid and host (a second run is refused)
 
 Ranks: under torchrun (RANK / WORLD_SIZE set) the ranks split the prompts, then the hidden-state shards,
-and coordinate through files in `out` (its parts/, the merge and finalize locks): see draftsmith.data_gen.ranks.
+and coordinate through files in `out` (its parts/, the merge and finalize locks): draftsmith.data_gen.ranks says
+which rank does what. The steps have their own modules: regenerated/ (data_gen/chunks.py), the tokenized set
+(data_gen/sets.py), the hidden states (data_gen/capture.py), the top-k logits (data_gen/topk.py).
 
 The target's weights are loaded the first time they are used (load_target(lazy=True)): a run with
 `backend=openai` or `backend=vllm` and no hidden states reads only the tokenizer, chat template and config.
@@ -43,40 +45,33 @@ A resumed run writes the same output as an uninterrupted one: chunk bounds and b
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import sys
+import logging
 import time
-from collections import Counter
 from operator import attrgetter
 from pathlib import Path
 
-import datasets
 from omegaconf import OmegaConf
 
-from draftsmith.configs import check_config
 from draftsmith.core import DraftsmithError
 from draftsmith.core import artifacts as mf
-from draftsmith.data_gen.capture import WRITTEN as CAPTURE_FILES
-from draftsmith.data_gen.capture import FEATURE_SOURCES, capture_hidden_states, num_shards
-from draftsmith.data_gen.config import DataGenConfig
-from draftsmith.data_gen.filters import filter_answers
-from draftsmith.data_gen.prompts import filter_counts_text, load_prompts
-from draftsmith.data_gen.ranks import (FINALIZE, KEY, PARTS, STATE, acquire_lock, another_rank_writes_the_manifest,
-                                       claim_merge, finish_capture, part_folder, rank_chunks, rank_result,
-                                       read_counts, read_parts, release_locks, remove_parts, set_ready,
-                                       rank_device, wait_for_merged_set)
-from draftsmith.data_gen.regenerate import (BACKENDS, SamplingParams, make_backend, regenerate_all,
-                                            regenerate_in_order)
-from draftsmith.data_gen.target import Target, load_target, resolved_target, torch_dtype
-from draftsmith.data_gen.tokenize import tokenize_samples
-from draftsmith.data_gen.topk import WRITTEN as TOPK_FILES
-from draftsmith.data_gen.topk import capture_topk
 from draftsmith.core.locks import rank_world
 from draftsmith.core.methods import methods
-from draftsmith.core.progress import progress
+from draftsmith.data_gen.capture import WRITTEN as CAPTURE_FILES
+from draftsmith.data_gen.capture import FEATURE_SOURCES
+from draftsmith.data_gen.chunks import REGEN, digest, regeneration_settings
+from draftsmith.data_gen.config import DataGenConfig
+from draftsmith.data_gen.prompts import filter_counts_text, load_prompts
+from draftsmith.data_gen.ranks import (PARTS, acquire_lock, another_rank_writes_the_manifest, build_sets, capture,
+                                       rank_device, rank_result, release_locks)
+from draftsmith.data_gen.regenerate import BACKENDS
+from draftsmith.data_gen.sets import KEY, STATE, read_counts, sets_key
+from draftsmith.data_gen.target import Target, load_target, resolved_target, torch_dtype
+from draftsmith.data_gen.topk import WRITTEN as TOPK_FILES
+from draftsmith.data_gen.topk import capture_topk
 
-REGEN = "regenerated"  # finished regeneration chunks
+log = logging.getLogger(__name__)
+
 SUBFOLDERS = ("conversations", "tokenized", "hidden_states", "topk_logits", REGEN, PARTS)  # what data-gen writes in out
 # The names data-gen writes in each folder, whose temporaries a killed run may leave (a rerun removes them).
 TEMPORARIES = {"": (*SUBFOLDERS, "config.yaml", mf.MANIFEST, mf.OWNER, STATE, KEY),
@@ -90,32 +85,8 @@ def check_out_folder(out: Path, identity: dict) -> None:
         mf.check_same_target(old["target"], identity, where=f"the existing data in out={out}")
 
 
-def _features():
-    seq = getattr(datasets, "List", datasets.Sequence)
-    return {
-        "conversations": datasets.Features({
-            "id": datasets.Value("string"), "category": datasets.Value("string"),
-            "messages": seq({"role": datasets.Value("string"), "content": datasets.Value("string")})}),
-        "tokenized": datasets.Features({
-            "id": datasets.Value("string"), "input_ids": seq(datasets.Value("int32")),
-            "loss_mask": seq(datasets.Value("int8"))}),
-    }
-
-
-def save_dataset_atomic(rows: list[dict], features, folder: Path) -> None:
-    """save_to_disk under a temporary name, then swap it in: a crash never leaves a half folder."""
-    bars = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        columns = {k: [r[k] for r in rows] for k in features}  # (from_list drops the schema of an empty set)
-        with mf.atomic_folder(folder) as tmp:
-            datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(tmp))
-    finally:
-        if bars:
-            datasets.enable_progress_bars()
-
-
 # --- checks that must not wait for the end of a long regeneration ------------------------------
+
 
 def check_settings(cfg) -> None:
     """Refuse settings used only after regeneration (tokenization, capture) before any work is done."""
@@ -148,235 +119,16 @@ def feature_layers(cfg):
     return methods()[cfg.hidden_states_for].aux_layer_ids
 
 
-# --- regeneration, saved chunk by chunk -------------------------------------------------------
-
-def _digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str).encode()).hexdigest()[:16]
-
-
-def regeneration_settings(cfg, identity: dict) -> dict:
-    """Every setting that changes the regenerated text (see the module docstring), and nothing else."""
-    b = cfg.backend
-    settings = {"target_hash": identity["target_hash"], "tokenizer_hash": identity["tokenizer_hash"],
-                "dtype": cfg.target.dtype, "seed": cfg.seed, "temperature": cfg.temperature, "top_p": cfg.top_p,
-                "max_new_tokens": cfg.max_new_tokens, "regenerate_chunk": cfg.regenerate_chunk, "backend": b.kind}
-    if b.kind == "hf":  # which prompts share a batched forward changes the floating-point numerics
-        # `generation` names the decode loop (data_gen/batching.py: refilled rows); chunks made by
-        # an earlier loop may differ by rounding, so they are regenerated rather than reused.
-        settings.update(batch_size=b.batch_size, prune_finished=b.prune_finished, generation="refill-1")
-    elif b.kind == "vllm":  # max_num_seqs: which prompts share a step, as for hf
-        settings.update(batch_size=b.batch_size)
-    else:
-        settings.update(url=b.url, model=b.model)
-    return settings
-
-
-def _prompt_fingerprint(samples: list[dict]) -> list:
-    return [[s["id"], s["category"], s["messages"]] for s in samples]
-
-
-def chunk_name(k: int) -> str:
-    return f"chunk_{k:05d}.json"
-
-
-def _read_chunk(path: Path, key: str, count: int):
-    """The saved messages of a finished chunk, or None when absent, unreadable or made from other input."""
-    try:
-        obj = json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(obj, dict) or obj.get("key") != key:
-        return None
-    messages = obj.get("messages")
-    return messages if isinstance(messages, list) and len(messages) == count else None
-
-
-def regenerate_chunks(cfg, target, samples: list[dict], folder: Path, settings: dict, chunk_ids,
-                      failures: dict | None = None) -> list:
-    """Regenerated messages of the samples of `chunk_ids`, in order (None: failed; []: no user turn).
-
-    Chunk k is samples[k * C:(k + 1) * C] (C = regenerate_chunk); a finished chunk is saved to
-    `folder/chunk_NNNNN.json` atomically and reused by a later run with the same key, except its
-    failed prompts (null, their last error under "failed"): those are asked for again, every run.
-    `failures`, when given, gets {prompt index: Failed} for the prompts that failed in this run.
-    """
-    size = cfg.regenerate_chunk
-    chunks = [(k, samples[k * size:(k + 1) * size]) for k in chunk_ids]
-    total = sum(len(c) for _, c in chunks)
-    results, todo = {}, []  # todo: (k, chunk, key, indices to regenerate, saved messages or None)
-    for k, chunk in chunks:
-        key = _digest({"settings": settings, "chunk": k, "prompts": _prompt_fingerprint(chunk)})
-        got = _read_chunk(folder / chunk_name(k), key, len(chunk))
-        if got is None:
-            todo.append((k, chunk, key, list(range(len(chunk))), None))
-        elif any(m is None for m in got):  # failed prompts are never done
-            todo.append((k, chunk, key, [i for i, m in enumerate(got) if m is None], got))
-        else:
-            results[k] = got
-    reused = total - sum(len(redo) for *_, redo, _ in todo)
-    if reused:
-        print(f"regenerate: reusing {reused} of {total} prompts already regenerated in {folder}.",
-              file=sys.stderr, flush=True)
-    if todo:
-        folder.mkdir(parents=True, exist_ok=True)
-        backend = make_backend(target, cfg.backend, SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
-                                                                 max_new_tokens=cfg.max_new_tokens),
-                               dtype=cfg.target.dtype)
-
-        def save(t: int, answers: list, errors: dict) -> None:  # todo[t]'s answers, in todo's order
-            k, chunk, key, redo, got = todo[t]
-            messages = list(got) if got is not None else [None] * len(chunk)
-            for i, m in zip(redo, answers):
-                messages[i] = m
-            mf.atomic_write_bytes(folder / chunk_name(k), json.dumps(
-                {"key": key, "first": k * size, "count": len(chunk), "messages": messages,
-                 "failed": {str(redo[j]): str(e) for j, e in sorted(errors.items())}},
-                ensure_ascii=False).encode())
-            results[k] = messages
-            if failures is not None:
-                failures.update({k * size + redo[j]: e for j, e in errors.items()})
-
-        with progress(total=total, desc="regenerate", unit="prompt", initial=reused) as bar:
-            # a server's next chunks are already asked for while a chunk's last answers come back; regenerate_all
-            # is this module's name for it (what a test that counts the chunks wraps)
-            regenerate_in_order([chunk if got is None else [chunk[i] for i in redo] for _, chunk, _, redo, got in todo],
-                                backend, cfg.seed, save, bar, regenerate_all)
-    return [m for k, _ in chunks for m in results[k]]
-
-
-def generate_part(cfg, target, samples: list[dict], out: Path, settings: dict, chunk_ids=None
-                  ) -> tuple[list[dict], list[dict], dict]:
-    """Regenerate (resumably) and tokenize the samples of `chunk_ids` (all by default);
-    (conversations, tokenized rows, counts)."""
-    size = cfg.regenerate_chunk
-    if chunk_ids is None:
-        chunk_ids = range((len(samples) + size - 1) // size)
-    mine = [s for k in chunk_ids for s in samples[k * size:(k + 1) * size]]
-    failed = 0
-    if cfg.regenerate:
-        failures: dict = {}
-        messages = regenerate_chunks(cfg, target, samples, out / REGEN, settings, chunk_ids, failures)
-        failed = sum(m is None for m in messages)
-        check_failures(cfg, samples, failures, len(mine), out / REGEN)
-        mine = [{**s, "messages": m} for s, m in zip(mine, messages) if m]
-    mine, filtered = filter_answers(mine, cfg.filters) if cfg.filters.answers else (mine, {})  # data_gen/filters.py
-    rows, counts = tokenize_samples(mine, target.tokenizer, target.eos_token_ids, cfg.max_length,
-                                    cfg.on_overflow, cfg.reasoning)
-    by_id = {r["order"]: r for r in rows}
-    conversations = [{"id": s["id"], "category": s["category"], "messages": s["messages"], "order": s["order"]}
-                     for s in mine if s["order"] in by_id]
-    counts["failed"] += failed
-    counts.update(filtered)
-    return conversations, rows, counts
-
-
-def _failure_hint(kind: str) -> str:
-    """What else may help against the main failure, besides the rerun."""
-    if kind.startswith("timed out"):
-        return ", or raise backend.timeout_s"
-    if kind in ("HTTP 429", "HTTP 503"):
-        return ", or lower backend.concurrency / raise backend.retries"
-    if kind.startswith("HTTP 4") and kind != "HTTP 408":
-        return " once what the server refuses is fixed (a refused request is not retried: it fails again as it is)"
-    if kind.startswith("cannot connect"):
-        return " once the server is up"
-    if kind.startswith("reply is not"):
-        return " once backend.url names an OpenAI-compatible server (its replies are not chat completions)"
-    return ""
-
-
-def check_failures(cfg, samples: list[dict], failures: dict, prompts: int, folder: Path) -> None:
-    """Name every prompt whose regeneration still failed, with its last error (stderr), and refuse the run
-    (one sentence naming the main reason) when more than backend.max_failed_share of the `prompts` failed,
-    or all of them. Failed prompts are never recorded as done: a rerun asks for them again."""
-    if not failures:
-        return
-    n, share = len(failures), cfg.backend.max_failed_share
-    lines = [f"  prompt {i} (id {samples[i]['id']}): {e}" for i, e in sorted(failures.items())]
-    if n > 20:
-        lines = lines[:20] + [f"  ... and {n - 20} more (each with its last error under \"failed\" in "
-                              f"{folder}/chunk_*.json)"]
-    print(f"regenerate: {n} of {prompts} prompts failed (backend.retries={cfg.backend.retries}):", *lines,
-          sep="\n", file=sys.stderr, flush=True)
-    if n <= share * prompts and n < prompts:
-        print(f"regenerate: {n} failed prompts are within backend.max_failed_share={share:g}: the data is made "
-              f"without them; a rerun asks for them again.", file=sys.stderr, flush=True)
-        return
-    kinds = Counter(getattr(e, "kind", str(e)) for e in failures.values())
-    kind, count = kinds.most_common(1)[0]
-    i = min(j for j, e in failures.items() if getattr(e, "kind", str(e)) == kind)
-    where = f" at {cfg.backend.url}" if cfg.backend.kind == "openai" else ""
-    example = f"prompt {i} (id {samples[i]['id']}): {failures[i]}"
-    why = example if n == 1 else f"{kind} for {'all' if count == n else count} of them; e.g. {example}"
-    limit = ("none came back" if n == prompts else
-             f"more than backend.max_failed_share={share:g} allows")
-    kept = "" if n == prompts else f" and the answers that came back are saved in {folder}"
-    again = "them" if n == prompts else "only the failed prompts"
-    raise DraftsmithError(f"{n} of {prompts} prompts failed to regenerate{where} ({why}), {limit}; they are not "
-                          f"recorded as done{kept}: rerun the same command to retry {again}{_failure_hint(kind)}.")
-
-
-def load_prompts_cached(cfg, target, identity: dict, out: Path) -> tuple[list[dict], dict]:
-    """The prompt set and what the prompt filters dropped (data_gen/filters.py; {} unless self-written
-    and filters.prompts); self-written prompts are saved in regenerated/ and reused by a rerun with the
-    same target, prompts and filter settings (file and dataset sources are read again: they may have changed)."""
-    if cfg.prompts.source != "self":
-        return load_prompts(cfg.prompts, target), {}
-    key = _digest({"target": [identity["target_hash"], identity["tokenizer_hash"], cfg.target.dtype],
-                   "prompts": dataclasses.asdict(cfg.prompts),
-                   **({"filters": dataclasses.asdict(cfg.filters)} if cfg.filters.prompts else {})})
-    path = out / REGEN / "self_prompts.json"
-    try:
-        saved = json.loads(path.read_bytes())
-        if saved["key"] == key and isinstance(saved["samples"], list) and saved["samples"]:
-            print(f"prompts: reusing {len(saved['samples'])} self-written prompts from {path}.", file=sys.stderr)
-            return saved["samples"], dict(saved.get("filtered") or {})
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    filtered: dict = {}
-    samples = load_prompts(cfg.prompts, target, cfg.filters, filtered)
-    mf.atomic_write_bytes(path, json.dumps({"key": key, "samples": samples, "filtered": filtered},
-                                           ensure_ascii=False).encode())
-    return samples, filtered
-
-
-def _drop_extra_chunks(out: Path, num_chunks: int) -> None:
-    """Remove regeneration chunks beyond this prompt set (left by a larger earlier run)."""
-    for f in (out / REGEN).glob("chunk_*.json"):
-        k = f.stem.split("_")[1]
-        if not k.isdigit() or int(k) >= num_chunks:
-            f.unlink(missing_ok=True)
-
-
-def _count(rows: list[dict], counts: dict, prompts: int) -> dict:
-    return {"prompts": prompts, "samples": len(rows), "tokens": sum(len(r["input_ids"]) for r in rows),
-            "loss_tokens": sum(sum(r["loss_mask"]) for r in rows), **counts}
-
-
-def write_sets(folder: Path, conversations: list[dict], rows: list[dict], counts: dict, keep_order: bool) -> None:
-    feats = _features()
-    if keep_order:
-        for f in feats.values():
-            f["order"] = datasets.Value("int64")
-    else:
-        conversations = [{k: v for k, v in c.items() if k != "order"} for c in conversations]
-        rows = [{k: v for k, v in r.items() if k != "order"} for r in rows]
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / STATE).unlink(missing_ok=True)
-    save_dataset_atomic(conversations, feats["conversations"], folder / "conversations")
-    save_dataset_atomic(rows, feats["tokenized"], folder / "tokenized")
-    mf.atomic_write_json(folder / STATE, counts)
-
-
 # --- the stage: prompts -> sets -> capture -> manifest --------------------------------------------
+
 
 def run(cfg: DataGenConfig) -> dict:
     """Run the stage; returns a summary dict (paths, counts, seconds).
 
-    Under torchrun a rank whose share is done while another rank finishes returns its own summary
+    `cfg` is the checked, typed tree (draftsmith.configs.check_config: the CLI checks it once, a caller in code
+    calls it first). Under torchrun a rank whose share is done while another rank finishes returns its own summary
     (draftsmith.data_gen.ranks)."""
     t0 = time.perf_counter()
-    cfg = check_config("data_gen", cfg)  # the typed tree, whatever `cfg` was (a composed config or one built in code)
     cfg, out, target, identity, dtype_why, rank, world = prepare(cfg)
     lock = acquire_lock(out, rank)
     remove_temporaries(out, world)
@@ -388,15 +140,12 @@ def run(cfg: DataGenConfig) -> dict:
         state, part_counts = build_sets(cfg, target, samples, out, settings, key, rank, world)
         if another_rank_writes_the_manifest(cfg.hidden_states, state, rank, world):
             return rank_result(out, rank, world, state, t0, counts=part_counts)
-        if world == 1 or not cfg.hidden_states:  # (ranks that capture: the rank that finishes it writes it, below)
-            write_config(cfg, out)
         counts = set_counts(out, prompts_filtered)
         hidden, captured, finalize = capture(cfg, target, out, rank, world)
         if captured is not None and finalize is None:  # another rank finishes the capture and writes the manifest
             return rank_result(out, rank, world, state, t0, captured, part_counts or counts)
-        if finalize is not None:  # this rank finished the capture: it writes config.yaml and the manifest
-            write_config(cfg, out)
         topk = capture_topk(cfg, target, out)  # draft distillation's offline signal (data_gen/topk.py)
+        write_config(cfg, out)  # config.yaml and the manifest, last: by the process (or rank) that finishes
         mf.write_manifest(out, stage="data_gen", target=identity, counts=counts, hidden_states=hidden,
                           topk_logits=topk, target_dtype={"dtype": cfg.target.dtype, "why": dtype_why})
     finally:
@@ -441,21 +190,28 @@ def read_prompts(cfg, target, identity: dict, out: Path) -> tuple[list[dict], di
     return samples, filtered
 
 
-def sets_key(cfg, identity: dict, samples: list[dict], settings: dict) -> str:
-    """What the tokenized set is made from (prompts + settings): a finished set with this key is reused."""
-    return _digest({"prompts": _prompt_fingerprint(samples), "regenerate": settings if cfg.regenerate else None,
-                    "tokenize": [identity["tokenizer_hash"], cfg.max_length, cfg.on_overflow, cfg.reasoning],
-                    **({"filters": dataclasses.asdict(cfg.filters)} if cfg.filters.answers else {})})
-
-
-def build_sets(cfg, target, samples: list[dict], out: Path, settings: dict, key: str, rank: int = 0,
-               world: int = 1) -> tuple[str | None, dict | None]:
-    """The tokenized set of `samples` in out/, made by this process or (ranks) merged from every rank's part.
-    Returns (state, this rank's part counts): (None, None) for one process, else see build_part_or_merge."""
-    if world > 1:
-        return build_part_or_merge(cfg, target, samples, out, settings, key, rank, world)
-    build_whole_sets(cfg, target, samples, out, settings, key)
-    return None, None
+def load_prompts_cached(cfg, target, identity: dict, out: Path) -> tuple[list[dict], dict]:
+    """The prompt set and what the prompt filters dropped (data_gen/filters.py; {} unless self-written
+    and filters.prompts); self-written prompts are saved in regenerated/ and reused by a rerun with the
+    same target, prompts and filter settings (file and dataset sources are read again: they may have changed)."""
+    if cfg.prompts.source != "self":
+        return load_prompts(cfg.prompts, target), {}
+    key = digest({"target": [identity["target_hash"], identity["tokenizer_hash"], cfg.target.dtype],
+                   "prompts": dataclasses.asdict(cfg.prompts),
+                   **({"filters": dataclasses.asdict(cfg.filters)} if cfg.filters.prompts else {})})
+    path = out / REGEN / "self_prompts.json"
+    try:
+        saved = json.loads(path.read_bytes())
+        if saved["key"] == key and isinstance(saved["samples"], list) and saved["samples"]:
+            log.info(f"prompts: reusing {len(saved['samples'])} self-written prompts from {path}.")
+            return saved["samples"], dict(saved.get("filtered") or {})
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    filtered: dict = {}
+    samples = load_prompts(cfg.prompts, target, cfg.filters, filtered)
+    mf.atomic_write_bytes(path, json.dumps({"key": key, "samples": samples, "filtered": filtered},
+                                           ensure_ascii=False).encode())
+    return samples, filtered
 
 
 def write_config(cfg, out: Path) -> None:
@@ -498,101 +254,3 @@ def _filtered_text(counts: dict) -> str:
         if got:
             parts.append(f"{what} {sum(got.values())} ({filter_counts_text(got)})")
     return f", filters dropped {', '.join(parts)}" if parts else ""
-
-
-def _unfinish(out: Path) -> None:
-    """From here on the folder is not complete, nor its tokenized set reusable by a later run."""
-    for name in (mf.MANIFEST, "config.yaml", KEY):
-        (out / name).unlink(missing_ok=True)
-
-
-def _num_chunks(cfg, samples: list) -> int:
-    return (len(samples) + cfg.regenerate_chunk - 1) // cfg.regenerate_chunk
-
-
-def build_whole_sets(cfg, target, samples: list[dict], out: Path, settings: dict, key: str) -> None:
-    """One process: regenerate (reusing finished chunks) and tokenize, unless a finished tokenized set
-    made with the same key is there already."""
-    if (out / STATE).is_file() and (out / KEY).is_file() and (out / KEY).read_text() == key \
-            and not (cfg.regenerate and _chunks_with_failures(out)):
-        return
-    _unfinish(out)
-    conversations, rows, counts = generate_part(cfg, target, samples, out, settings)
-    if not rows:
-        raise DraftsmithError(f"no sample survived data-gen ({_count(rows, counts, len(samples))}); nothing written.")
-    write_sets(out, conversations, rows, _count(rows, counts, len(samples)), keep_order=False)
-    mf.atomic_write_bytes(out / KEY, key.encode())
-    _drop_extra_chunks(out, _num_chunks(cfg, samples))
-
-
-def _chunks_with_failures(out: Path) -> bool:
-    """Some saved regeneration chunk holds a failed prompt (null): a finished set made without it is not
-    done, a rerun asks for the prompt again."""
-    for f in (out / REGEN).glob("chunk_*.json"):
-        try:
-            messages = json.loads(f.read_bytes()).get("messages")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(messages, list) and any(m is None for m in messages):
-            return True
-    return False
-
-
-def build_part_or_merge(cfg, target, samples: list[dict], out: Path, settings: dict, key: str,
-                        rank: int, world: int) -> tuple[str, dict | None]:
-    """Several ranks: write this rank's chunks as a part; the last rank to finish merges every part
-    into out/ (with hidden states the others wait for it: every rank captures from the merged set).
-    Returns (state, this rank's part counts): state is "merged" (this rank merged), "part" (another
-    rank merges) or "ready" (the tokenized set was already finished with this key: nothing
-    regenerated nor merged, by any rank)."""
-    if set_ready(out, key):
-        if not (cfg.regenerate and _chunks_with_failures(out)):
-            return "ready", None
-        (out / KEY).unlink(missing_ok=True)  # its failed prompts are asked again: no rank may take this set as done
-    part_counts = write_part(cfg, target, samples, out, settings, key, rank, world)
-    if not claim_merge(out, world, key):
-        if cfg.hidden_states:
-            wait_for_merged_set(out, key, rank, world, out / REGEN)
-        return "part", part_counts
-    _unfinish(out)
-    conversations, rows, counts = read_parts(out, world)
-    write_sets(out, conversations, rows, counts, keep_order=False)
-    mf.atomic_write_bytes(out / KEY, key.encode())
-    _drop_extra_chunks(out, _num_chunks(cfg, samples))
-    remove_parts(out)
-    return "merged", part_counts
-
-
-def write_part(cfg, target, samples: list[dict], out: Path, settings: dict, key: str, rank: int, world: int) -> dict:
-    """Regenerate (reusing finished chunks) and tokenize this rank's chunks into its part; returns its counts."""
-    part = part_folder(out, rank)
-    chunk_ids = rank_chunks(_num_chunks(cfg, samples), rank, world)
-    n_mine = sum(len(samples[k * cfg.regenerate_chunk:(k + 1) * cfg.regenerate_chunk]) for k in chunk_ids)
-    conversations, rows, counts = generate_part(cfg, target, samples, out, settings, chunk_ids)
-    (part / KEY).unlink(missing_ok=True)
-    part_counts = _count(rows, counts, n_mine)
-    write_sets(part, conversations, rows, part_counts, keep_order=True)
-    mf.atomic_write_bytes(part / KEY, key.encode())
-    return part_counts
-
-
-def capture(cfg, target, out: Path, rank: int = 0, world: int = 1) -> tuple[dict | None, dict | None, Path | None]:
-    """Offline mode: the hidden states of the tokenized set (finished shards kept); (None, None, None) otherwise.
-
-    Returns (what the manifest records of them, this rank's "captured" and "kept" shards, the finalize lock).
-    One process: (.., None, None). Ranks: this rank's shards; the rank that then finds every shard finished
-    and wins the finalize lock writes index.json and holds the lock (None for the other ranks).
-    """
-    if not cfg.hidden_states:
-        mf.remove_written(out / "hidden_states", (*CAPTURE_FILES, FINALIZE))  # an earlier run's; not a user's file
-        return None, None, None
-    ids = datasets.load_from_disk(str(out / "tokenized"))["input_ids"]
-    folder = out / "hidden_states"
-    index = capture_hidden_states(target, ids, folder, cfg.hidden_states_dtype,
-                                  cfg.samples_per_shard, cfg.capture_batch_size, rank, world, cfg.hidden_states_source)
-    hidden = {k: index[k] for k in ("dtype", "aux_layer_ids", "last_hidden_state", "hidden_size")}
-    if world == 1:
-        return {**hidden, "shards": len(index["shards"])}, None, None
-    captured = {k: index[k] for k in ("captured", "kept")}
-    finalize = finish_capture(folder, index, len(ids), cfg.samples_per_shard, rank, world)
-    return {**hidden, "shards": num_shards(len(ids), cfg.samples_per_shard)}, captured, finalize

@@ -49,8 +49,9 @@ def test_torchrun_two_ranks_capture_their_shards_and_equal_one_process(compose_c
 
     result = torchrun()
     # both ranks captured: rank r takes shards r, r + 2, ... of the 5 shards (9 samples, 2 per shard)
-    assert "capture: rank 0/2 captured shards [0, 2, 4], kept []" in result.stderr
-    assert "capture: rank 1/2 captured shards [1, 3], kept []" in result.stderr
+    # (logged: the CLI's Hydra logging writes to stdout)
+    assert "capture: rank 0/2 captured shards [0, 2, 4], kept []" in result.stdout
+    assert "capture: rank 1/2 captured shards [1, 3], kept []" in result.stdout
     assert result.stdout.count("data-gen: 9 samples") == 1  # one rank wrote the manifest...
     assert "the last rank to finish writes the index" in result.stdout  # ...the other stopped after its shards
 
@@ -67,9 +68,9 @@ def test_torchrun_two_ranks_capture_their_shards_and_equal_one_process(compose_c
     (multi / "hidden_states" / "shard_00003.safetensors").unlink()
     (multi / "manifest.json").unlink()
     result = torchrun()
-    assert "capture: rank 0/2 captured shards [], kept [0, 2, 4]" in result.stderr
-    assert "capture: rank 1/2 captured shards [3], kept [1]" in result.stderr
-    assert "regenerate" not in result.stderr and not (multi / "parts").exists()
+    assert "capture: rank 0/2 captured shards [], kept [0, 2, 4]" in result.stdout
+    assert "capture: rank 1/2 captured shards [3], kept [1]" in result.stdout
+    assert "regenerate" not in result.stderr + result.stdout and not (multi / "parts").exists()
     assert hidden_files(multi) == hidden_files(single)
     assert json.loads((multi / "manifest.json").read_text()) == manifest[single]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -14,7 +15,7 @@ import pytest
 
 from draftsmith.core import DraftsmithError
 from draftsmith.core import artifacts as mf
-from draftsmith.data_gen import ranks
+from draftsmith.data_gen import chunks, ranks
 from draftsmith.data_gen import run as dg
 from draftsmith.data_gen.dataset import load_conversations, load_tokenized
 
@@ -40,28 +41,28 @@ def outputs(out):
 
 def count_regenerated(monkeypatch) -> list:
     """Record the size of every chunk data-gen regenerates."""
-    calls, real = [], dg.regenerate_all
-    monkeypatch.setattr(dg, "regenerate_all", lambda chunk, *a, **k: calls.append(len(chunk)) or real(chunk, *a, **k))
+    calls, real = [], chunks.regenerate_all
+    monkeypatch.setattr(chunks, "regenerate_all", lambda chunk, *a, **k: calls.append(len(chunk)) or real(chunk, *a, **k))
     return calls
 
 
 # A data-gen that finishes chunks 0 and 1, then hangs in chunk 2 until it is killed.
 CHILD = """
 import sys, time
-import draftsmith.data_gen.run as dg
-real, n = dg.regenerate_all, [0]
+import draftsmith.data_gen.chunks as chunks
+real, n = chunks.regenerate_all, [0]
 def slow(*a, **k):
     n[0] += 1
     if n[0] == 3:
         time.sleep(600)
     return real(*a, **k)
-dg.regenerate_all = slow
+chunks.regenerate_all = slow
 from draftsmith.cli import main
 main(["data-gen", *sys.argv[1:]])
 """
 
 
-def test_killed_data_gen_resumes_its_regeneration(compose_cfg, questions, tmp_path, monkeypatch, capfd):
+def test_killed_data_gen_resumes_its_regeneration(compose_cfg, questions, tmp_path, monkeypatch, caplog):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     dg.run(compose_cfg("data_gen", *argv(questions, whole)))
 
@@ -82,9 +83,9 @@ def test_killed_data_gen_resumes_its_regeneration(compose_cfg, questions, tmp_pa
     assert json.loads((killed / ranks.LOCK).read_text())["pid"] == child.pid  # left behind by the kill: stale
 
     calls = count_regenerated(monkeypatch)
-    capfd.readouterr()
+    caplog.set_level(logging.INFO, logger="draftsmith")
     dg.run(compose_cfg("data_gen", *argv(questions, killed)))
-    assert "reusing 2 of 5 prompts already regenerated" in capfd.readouterr().err
+    assert "reusing 2 of 5 prompts already regenerated" in caplog.text
     assert calls == [1, 1, 1]  # only chunks 2, 3, 4
     assert {n: (p.stat().st_ino, p.stat().st_mtime_ns) for n, p in
             ((n, killed / dg.REGEN / n) for n in kept)} == kept  # finished chunks untouched

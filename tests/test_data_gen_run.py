@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from draftsmith.core import DraftsmithError
 from draftsmith.cli import main
-from draftsmith.configs import compose
+from draftsmith.configs import check_config, compose
 from draftsmith.core import artifacts as mf
 from draftsmith.data_gen.dataset import HiddenStates, load_conversations, load_tokenized
 from draftsmith.data_gen.run import run
@@ -37,14 +37,15 @@ def cli_error(capsys, argv) -> str:
     return capsys.readouterr().err
 
 
-def test_run_takes_a_dictconfig(tmp_path):
-    """run checks and types a DictConfig (OmegaConf.structured, Hydra's own) as train's does: the stage's own
-    check answers (an empty prompt set, read after the target is placed), not a TypeError."""
+def test_run_takes_a_dictconfig_once_checked(tmp_path):
+    """run takes the checked, typed tree: a caller in code checks a DictConfig (OmegaConf.structured, Hydra's own)
+    once, as the CLI does, and the stage's own check answers (an empty prompt set, read after the target is placed),
+    not a TypeError."""
     empty = tmp_path / "q.jsonl"
     empty.write_text("")
     cfg = OmegaConf.structured(compose("data_gen", base(str(empty), tmp_path / "out")))
     with pytest.raises(DraftsmithError, match="is empty"):
-        run(cfg)
+        run(check_config("data_gen", cfg))
 
 
 def test_end_to_end(compose_cfg, questions, tmp_path, tiny_target):
