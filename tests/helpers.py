@@ -7,6 +7,7 @@ offline."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -41,6 +42,7 @@ from draftsmith.heads.kit import causal_mask
 from draftsmith.heads.mtp import MTPDrafter
 from draftsmith.heads.peagle import PEagleHead, peagle_config_from_target
 from draftsmith.heads.vocab import build_vocab_map
+from draftsmith.train import trainer
 
 # ---- building a drafter ----------------------------------------------------------------------------------
 
@@ -317,6 +319,28 @@ def assert_ttt_steps_close(ours, theirs, ttt_steps: int, atol: float, rtol: floa
 # ---- `draftsmith train method=...` -----------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def crash_after_step(step: int):
+    """Inside, a training run stops with RuntimeError("simulated crash ...") where the first micro-batch of step
+    `step` + 1 would come: step `step` is done (logged, checkpointed where save_every asks) and nothing of the next one
+    is, as if the process died there. The tests' fault injection (and benchmarks/gpu_train_check.py's): it wraps the
+    trainer's micro-batch plan, so the library carries no crash switch."""
+    real = trainer.micro_batch_plan
+
+    def plan_then_crash(lengths, global_batch, mega_batch, seed, micro_batch_size, rank, world, start_step,
+                        total_steps):
+        yield from real(lengths, global_batch, mega_batch, seed, micro_batch_size, rank, world, start_step,
+                        min(step, total_steps))
+        if step < total_steps:
+            raise RuntimeError(f"simulated crash after step {step}")
+
+    trainer.micro_batch_plan = plan_then_crash
+    try:
+        yield
+    finally:
+        trainer.micro_batch_plan = real
+
+
 def tiny_train_cfg(data, out, method, deepspeed="none", mode="auto", **kw):
     """The training config of a short run of `method` (a method config) on the tiny target: 2 epochs of 3 steps,
     a checkpoint every 2 steps, W&B off."""
@@ -346,8 +370,8 @@ def check_resume_is_exact(train_cfg, data, tmp_path, deepspeed, *, method: str, 
     full = run(train_cfg(data, tmp_path / "full", deepspeed))
     assert full["steps"] == 6 and full["method"] == method and full["mode"] == "offline"
     assert {f"{k}_{d}" for k in ("loss", "acc", "alpha") for d in range(depths)} <= set(full["metrics"])
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run(train_cfg(data, tmp_path / "cut", deepspeed, fail_at_step=3))
+    with crash_after_step(3), pytest.raises(RuntimeError, match="simulated crash"):
+        run(train_cfg(data, tmp_path / "cut", deepspeed))
     resumed = run(train_cfg(data, tmp_path / "cut", deepspeed, resume="true"))
     a = load_file(str(tmp_path / "full/checkpoints/step_00000006/head.safetensors"))
     b = load_file(str(tmp_path / "cut/checkpoints/step_00000006/head.safetensors"))
@@ -706,6 +730,10 @@ def sampled_joint_and_proposed(runner, proposer, sampling, drafting):
 
 
 # ---- data, heads and configs on disk; the CLI --------------------------------------------------------------
+
+# 52 Spec-Bench questions, 4 of each of its 13 categories, in the repository (tests/data/README.md: source, licence)
+SPEC_BENCH = str(Path(__file__).resolve().parent / "data" / "spec_bench_question.jsonl")
+
 
 def make_tiny_data(folder, target, n: int = 12, min_len: int = 10, max_len: int = 24, seed: int = 0,
                    hidden_states: bool = False) -> Path:

@@ -38,7 +38,10 @@ def with_eos(target, eos: list[int]):
                            tokenizer=target.tokenizer)
 
 
-def varied_eos(target, prompts, params=SamplingParams(max_new_tokens=MAX_NEW), seeds=None) -> list[int]:
+GREEDY_PARAMS = SamplingParams(max_new_tokens=MAX_NEW)  # varied_eos's default (one object: never changed)
+
+
+def varied_eos(target, prompts, params=GREEDY_PARAMS, seeds=None) -> list[int]:
     """A token whose first occurrence in the answers falls at the most different steps."""
     free = generate_tokens(with_eos(target, []), prompts, params, seeds or [0] * len(prompts), batch_size=1)
     first_steps: dict[int, set[int]] = {}

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 import json
 
 import pytest
+from helpers import SPEC_BENCH
 
 from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.config import PromptsConfig
 from draftsmith.data_gen.prompts import load_prompts, user_header
-
-SPEC_BENCH = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_question.jsonl")  # ../shared beside the repo
 
 
 def write_jsonl(path, rows):
@@ -41,7 +39,7 @@ def test_openai_messages_and_n(tmp_path):
 
 def test_question_spec_bench_keeps_category_and_id():
     samples = load_prompts(PromptsConfig(source="question", path=SPEC_BENCH, n=None))
-    assert len(samples) == 480
+    assert len(samples) == 52  # every row of the file
     assert samples[0]["id"] == "81" and samples[0]["category"] == "writing"
     assert [m["role"] for m in samples[0]["messages"]] == ["user", "user"]
     assert len({s["category"] for s in samples}) == 13

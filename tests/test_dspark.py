@@ -126,7 +126,7 @@ def test_the_confidence_target_is_detached():
 
 @pytest.fixture(scope="module")
 def rows():
-    """A float64 tiny target, a random DSpark drafter and two training rows (tests/method_checks.py)."""
+    """A float64 tiny target, a random DSpark drafter and two training rows (tests/helpers.py)."""
     target = load_target(TargetConfig(name="tiny", dtype="float64"))
     head = random_dspark(target, dtype=torch.float64)
     torch.manual_seed(2)

@@ -1,15 +1,13 @@
 """Eval prompt readers: every format, per-category sampling, malformed lines named by file and line."""
 
-from pathlib import Path
 import json
 
 import pytest
+from helpers import SPEC_BENCH
 
 from draftsmith.core import DraftsmithError
 from draftsmith.eval.config import EvalPromptsConfig
 from draftsmith.eval.prompts import load_prompts, read_jsonl, render, sample
-
-SPEC_BENCH = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_question.jsonl")  # ../shared beside the repo
 
 
 def write(path, rows):
@@ -56,7 +54,7 @@ def test_malformed_line_names_file_and_line(tmp_path, source, line, needle):
 
 def test_spec_bench_per_category_sampling():
     prompts = read_jsonl(SPEC_BENCH, "question")
-    assert len(prompts) == 480
+    assert len(prompts) == 52  # 4 of each of 13 categories
     picked = sample(prompts, per_category=2, seed=0)
     cats = [p.category for p in picked]
     assert len(picked) == 26 and all(cats.count(c) == 2 for c in set(cats)) and len(set(cats)) == 13

@@ -1,20 +1,17 @@
 """The eval stage end to end on the tiny target: report keys and consistency, files, refusals."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
-from helpers import eval_cfg, save_tiny_head
+from helpers import SPEC_BENCH, eval_cfg, save_tiny_head
 
 from draftsmith.core import DraftsmithError
 from draftsmith.cli import main
 from draftsmith.configs import compose
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.eval.run import run
-
-SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_question.jsonl"  # ../shared
 
 REPORT_KEYS = {
     "method", "target", "head", "temperature", "top_k", "top_p", "drafting", "n_prompts", "new_tokens", "tau",

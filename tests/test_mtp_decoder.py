@@ -1,6 +1,6 @@
 """The MTP proposer drafts, inside the decode loop, exactly what train/mtp.py's unroll trains, and the decoder stays
 lossless with it (greedy token-identical in chains and trees; sampled: the seeded statistical test and its negative
-control, tests/method_checks.py).
+control, tests/helpers.py).
 
 Every draft round of `speculative_generate` with a real `MTPProposer` is recorded (its committed sequence, its draft
 and its logits at each depth); then `mtp_unroll` runs on the same sequence teacher-forced along the drafted tokens,

@@ -191,7 +191,7 @@ def test_sampled_chain_keeps_the_q_it_was_drawn_from(tiny):
     speculative_generate(runner, proposer, repetitive_prompt(), 30, sampling,
                          DraftingConfig("chain", K, stop_below=0.005), [], generator=g)
     assert any(0 < len(d.tokens) < K for d in drafts)
-    for d, (tokens, rows) in zip(drafts, proposer.rounds):
+    for d, (_, rows) in zip(drafts, proposer.rounds):
         assert len(rows) == min(len(d.tokens) + 1, K)  # the unsure depth's row was computed, its token not drawn
         if not d.tokens:
             continue

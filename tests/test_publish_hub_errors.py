@@ -133,7 +133,7 @@ def test_a_failing_hub_is_one_sentence(head, tmp_path, hub, capsys, mode, said):
 def test_repo_created_but_commit_refused_says_what_exists(head, tmp_path, hub, capsys):
     fake = hub("commit-403")
     line = refused(capsys, f"head={head}", *COMMON, f"out={tmp_path / 'hub'}")
-    assert f"could not upload" in line and "HTTP 403" in line
+    assert "could not upload" in line and "HTTP 403" in line
     assert f"the repo {REPO} exists on the Hub" in line and "nothing was committed" in line
     assert "/api/repos/create" in fake.requests and fake.requests[-1] != "/api/repos/create"
 
