@@ -667,8 +667,6 @@ def eagle3_head_f64(target, draft_vocab=200, seed=0, **norms):
 
 def peagle_head_f64(target, draft_vocab=200, seed=0):
     """A float64 2-layer P-EAGLE head of a loaded target, its draft vocabulary `draft_vocab` random target tokens."""
-    from draftsmith.heads.peagle import PEagleHead, peagle_config_from_target
-
     torch.manual_seed(seed)
     V = target.vocab_size
     head = PEagleHead(peagle_config_from_target(target.model.config, draft_vocab, 2, V - 1)).double().eval()

@@ -33,7 +33,8 @@ def test_proposer_logits_in_the_decode_loop_equal_the_ttt_unroll(sampling, norms
     proposer = Eagle3RecordingProposer(head, EAGLE3_V, 96)
     runner = TargetRunner(target, 96, AUX)
     g = torch.Generator().manual_seed(0)
-    res = speculative_generate(runner, proposer, prompt, 40, sampling, DraftingConfig("chain", EAGLE3_K), [], generator=g)
+    res = speculative_generate(runner, proposer, prompt, 40, sampling, DraftingConfig("chain", EAGLE3_K), [],
+                               generator=g)
     assert len(res.tokens) == 40
     assert res.n_verifications - 1 <= len(proposer.rounds) <= res.n_verifications  # no draft when no room
     assert max(res.emitted_per_verification) > 1  # some rounds accepted drafts: their update() ran on several rows

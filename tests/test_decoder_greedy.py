@@ -108,8 +108,8 @@ def test_bad_inputs(tiny):
         speculative_generate(runner, None, torch.tensor([1, 2]), 10_000, GREEDY, CHAIN, eos_token_ids=[])
     no_aux = TargetRunner(target.model, 64, None)
     with pytest.raises(DraftsmithError):
-        speculative_generate(no_aux, Eagle3Proposer(eagle3_head_f64(target), target.vocab_size, 64), torch.tensor([1, 2]),
-                             4, GREEDY, CHAIN, eos_token_ids=[])
+        speculative_generate(no_aux, Eagle3Proposer(eagle3_head_f64(target), target.vocab_size, 64),
+                             torch.tensor([1, 2]), 4, GREEDY, CHAIN, eos_token_ids=[])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 def test_one_forward_per_cycle_drafts_what_the_drafter_computes_from_scratch(sampling):
     target = peaked_llama(12)
     head = peagle_decoder_head(target, [0, 1, 2, 4, 5, 7, 8, 10, 11])
-    res, _ = check_drafts_match_from_scratch(PEagleRecordingProposer, head, target, AUX, sampling, peagle_from_scratch, 4)
+    res, _ = check_drafts_match_from_scratch(PEagleRecordingProposer, head, target, AUX, sampling, peagle_from_scratch,
+                                             4)
     assert max(res.emitted_per_verification) > 1  # accepted drafts: cycles ran several new entries at once
 
 

@@ -82,12 +82,14 @@ def test_a_wrong_shape_or_missing_mask_hidden_is_refused(tiny_target, tmp_path):
 
 def test_cli_export_both_formats(tiny_target, tmp_path, capsys):
     own, config = check_cli_export_both_formats(save_peagle, random_peagle(tiny_target), tiny_target, tmp_path, capsys,
-                                                method="peagle", architecture="PEagleDraftModel", layers=PEAGLE_LAYERS, k=5)
+                                                method="peagle", architecture="PEagleDraftModel",
+                                                layers=PEAGLE_LAYERS, k=5)
     assert own["parallel_drafting"] is True
     assert config["mask_token_id"] == tiny_target.vocab_size - 1 and config["embed_requires_grad"] is True
     assert config["eagle_aux_hidden_state_layer_ids"] == tiny_target.aux_layer_ids
     tensors = tensors_of(tmp_path / "s")
-    assert set(tensors) == expected_names(PEAGLE_LAYERS) and tensors["mask_hidden"].shape == (1, 1, 3 * tiny_target.hidden_size)
+    assert set(tensors) == expected_names(PEAGLE_LAYERS)
+    assert tensors["mask_hidden"].shape == (1, 1, 3 * tiny_target.hidden_size)
 
 
 # ---- the outside check: speculators' PEagleDraftModel ------------------------------------------------------

@@ -59,7 +59,8 @@ def _recording(cls):
 def _make(kind, target, record=False):
     V = target.vocab_size
     if kind == "eagle3":
-        return _recording(Eagle3Proposer)(eagle3_head_f64(target), V, 256) if record else Eagle3Proposer(eagle3_head_f64(target), V, 256)
+        cls = _recording(Eagle3Proposer) if record else Eagle3Proposer
+        return cls(eagle3_head_f64(target), V, 256)
     if kind == "draft_model":
         cls = _recording(DraftModelProposer) if record else DraftModelProposer
         return cls(draft_llama(V, 1), V, 256)
