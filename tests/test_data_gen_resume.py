@@ -15,7 +15,7 @@ import pytest
 
 from draftsmith.core import DraftsmithError
 from draftsmith.core import artifacts as mf
-from draftsmith.data_gen import chunks, ranks
+from draftsmith.data_gen import chunks, ranks, sets
 from draftsmith.data_gen import run as dg
 from draftsmith.data_gen.dataset import load_conversations, load_tokenized
 
@@ -130,7 +130,7 @@ def test_a_corrupt_chunk_is_regenerated(compose_cfg, questions, tmp_path, monkey
     dg.run(compose_cfg("data_gen", *argv(questions, out)))
     before = outputs(out)
     (out / dg.REGEN / "chunk_00003.json").write_text('{"key": "trunc')
-    (out / ranks.KEY).unlink()  # as if the run had died before tokenizing
+    (out / sets.KEY).unlink()  # as if the run had died before tokenizing
     calls = count_regenerated(monkeypatch)
     dg.run(compose_cfg("data_gen", *argv(questions, out)))
     assert calls == [1] and outputs(out) == before
