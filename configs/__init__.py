@@ -83,6 +83,13 @@ REQUIRED_HINTS = {
 }
 
 
+def method_hint() -> str:
+    """What `method= is required` adds: TrainConfig names no method (configs/train.yaml picks the default), so a
+    config built in code without one is refused here, never trained with a method it did not name."""
+    return (f"one of {', '.join(trainable())} (`draftsmith train method=<name>`; in code, TrainConfig(method=...) with "
+            f"that method's options dataclass, draftsmith.train.<name>.HOOKS.config)")
+
+
 def check_config(config_name: str, cfg, *, missing_ok: bool = False):
     """Refuse a stage config with one sentence (DraftsmithError) before any work is done; return it typed.
 
@@ -98,7 +105,8 @@ def check_config(config_name: str, cfg, *, missing_ok: bool = False):
         missing = sorted(OmegaConf.missing_keys(cfg))
         if missing:
             key = missing[0]
-            raise DraftsmithError(f"{key}= is required: {REQUIRED_HINTS.get(key, 'it has no default')}.")
+            hint = method_hint() if key == "method" else REQUIRED_HINTS.get(key, "it has no default")
+            raise DraftsmithError(f"{key}= is required: {hint}.")
     assert isinstance(cfg, DictConfig)
     built = _instantiate(cls, cfg)
     if not missing_ok:

@@ -157,11 +157,8 @@ def check_engine_options(cfg) -> None:
 
 
 def build_settings(cfg) -> tuple[SamplingConfig, DraftingConfig]:
-    """Check the options and build the decoder's settings; out-of-range values raise one sentence."""
+    """Check the options and build the decoder's settings; out-of-range values raise one sentence. `cfg` is the
+    checked EvalConfig, whose `drafting` is the decoder's DraftingConfig already (its ranges checked when built)."""
     check_options(cfg)
-    # SamplingConfig and DraftingConfig check their own ranges when built.
-    sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
-    d = cfg.drafting
-    drafting = DraftingConfig(mode=d.mode, num_speculative_tokens=d.num_speculative_tokens,
-                              tree_top_k=d.tree_top_k, tree_budget=d.tree_budget, stop_below=d.stop_below)
-    return sampling, drafting
+    sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)  # checks its own ranges
+    return sampling, cfg.drafting  # the typed node check_config built (it checked its ranges then)

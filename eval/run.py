@@ -40,7 +40,6 @@ from draftsmith.eval.proposers.ngram import NGRAM_ENGINES, NgramFirstProposer, N
 from draftsmith.eval.report import hardware, software_versions, summary_lines, write_report
 from draftsmith.eval.target_runner import TargetRunner, divergence
 from draftsmith.heads.folders import weights_sha256
-from draftsmith.configs import check_config
 from draftsmith.core.methods import Method, method_for_folder, read_folder_config
 from draftsmith.core.progress import progress
 from draftsmith.core.sampling import SamplingConfig
@@ -228,8 +227,8 @@ class Setup:
 
 
 def run(cfg: EvalConfig) -> dict:
-    """Evaluate `cfg.head` on `cfg.prompts`; returns the report (also written under cfg.out)."""
-    cfg = check_config("eval", cfg)  # the typed tree, whatever `cfg` was (a composed config or one built in code)
+    """Evaluate `cfg.head` on `cfg.prompts`; returns the report (also written under cfg.out). `cfg` is the checked,
+    typed tree (draftsmith.configs.check_config: the CLI checks it once, a caller in code calls it first)."""
     setup = prepare(cfg)
     cfg = setup.cfg  # target.dtype=auto resolved
     drafter = load_drafter(cfg, setup.target, setup.runner.max_len)

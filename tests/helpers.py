@@ -346,6 +346,7 @@ def tiny_train_cfg(data, out, method, deepspeed="none", mode="auto", **kw):
     a checkpoint every 2 steps, W&B off."""
     from omegaconf import OmegaConf
 
+    from draftsmith.configs import check_config
     from draftsmith.data_gen.target import TargetConfig
     from draftsmith.train.config import DeepSpeedConfig, TrainConfig
 
@@ -354,7 +355,7 @@ def tiny_train_cfg(data, out, method, deepspeed="none", mode="auto", **kw):
         micro_batch_size=2, grad_accum=2, epochs=2, save_every=2, keep_last=5, lr=3e-3, warmup_ratio=0.2,
         progress=False, deepspeed=DeepSpeedConfig(deepspeed), **kw))
     cfg.wandb.mode = "disabled"
-    return cfg
+    return check_config("train", cfg)  # the typed tree train's run takes
 
 
 def check_resume_is_exact(train_cfg, data, tmp_path, deepspeed, *, method: str, depths: int, own_tensor: str,

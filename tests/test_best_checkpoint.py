@@ -9,8 +9,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
-from helpers import make_tiny_data
+from helpers import crash_after_step, make_tiny_data
 
+from draftsmith.configs import check_config
 from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.heads.eagle3_folders import load_eagle3
@@ -31,7 +32,7 @@ def _cfg(data, out, **kw):
     cfg = OmegaConf.structured(TrainConfig(data=str(data), out=str(out), target=TargetConfig(name="tiny", dtype="float32"),
                                            method=Eagle3Config(draft_vocab_size=128, ttt_steps=3), **{**options, **kw}))
     cfg.wandb.mode = "disabled"
-    return cfg
+    return check_config("train", cfg)  # the typed tree train's run takes
 
 
 def test_best_head_is_kept_and_resume_is_exact(tiny_data, tmp_path):
@@ -57,8 +58,8 @@ def test_best_head_is_kept_and_resume_is_exact(tiny_data, tmp_path):
     assert state["best"]["step"] == best_step
 
     # killed after step 3, resumed from step 2: same weights bit for bit, same best
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run(_cfg(tiny_data, tmp_path / "cut", fail_at_step=3))
+    with crash_after_step(3), pytest.raises(RuntimeError, match="simulated crash"):
+        run(_cfg(tiny_data, tmp_path / "cut"))
     resumed = run(_cfg(tiny_data, tmp_path / "cut", resume="true"))
     a = load_file(str(tmp_path / "full/checkpoints/step_00000006/head.safetensors"))
     b = load_file(str(tmp_path / "cut/checkpoints/step_00000006/head.safetensors"))

@@ -11,13 +11,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from draftsmith.configs import check_config
 from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.train import checkpoint as ckpt
 from draftsmith.train.config import DeepSpeedConfig, TrainConfig
 from draftsmith.train.eagle3 import Eagle3Config
 from draftsmith.train.run import run
-from helpers import make_tiny_data
+from helpers import crash_after_step, make_tiny_data
 
 MODEL = "mp_rank_00_model_states.pt"
 OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
@@ -28,7 +29,7 @@ def _cfg(data, out, **kw):
         data=str(data), out=str(out), target=TargetConfig(name="tiny", dtype="float32"), method=Eagle3Config(draft_vocab_size=64, ttt_steps=2),
         micro_batch_size=2, max_steps=3, save_every=2, progress=False, deepspeed=DeepSpeedConfig("zero2"), **kw))
     cfg.wandb.mode = "disabled"
-    return cfg
+    return check_config("train", cfg)  # the typed tree train's run takes
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +37,8 @@ def trained(tmp_path_factory, one_thread):
     """(data, out): a zero2 run killed right after its step-2 checkpoint."""
     base = tmp_path_factory.mktemp("trust")
     data = make_tiny_data(base / "data", load_target(TargetConfig(name="tiny", dtype="float32")), n=8, hidden_states=True)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run(_cfg(data, base / "out", fail_at_step=2))
+    with crash_after_step(2), pytest.raises(RuntimeError, match="simulated crash"):
+        run(_cfg(data, base / "out"))
     return data, base / "out"
 
 

@@ -9,7 +9,7 @@ from helpers import SPEC_BENCH, eval_cfg, save_tiny_head
 
 from draftsmith.core import DraftsmithError
 from draftsmith.cli import main
-from draftsmith.configs import compose
+from draftsmith.configs import check_config, compose
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.eval.run import run
 
@@ -81,12 +81,13 @@ def test_head_for_another_target_is_refused(questions, tmp_path):
     assert "other" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_run_takes_a_dictconfig(questions, tmp_path):
-    """run checks and types a DictConfig (OmegaConf.structured, Hydra's own) as train's does: the stage's own
-    check answers (head= names no folder, found after the target is loaded), not a TypeError."""
+def test_run_takes_a_dictconfig_once_checked(questions, tmp_path):
+    """A DictConfig (OmegaConf.structured, Hydra's own) goes through check_config once, as the CLI does, and run takes
+    the typed tree: the stage's own check answers (head= names no folder, found after the target is loaded), not a
+    TypeError."""
     cfg = OmegaConf.structured(eval_cfg(questions, tmp_path / "out", f"head={tmp_path / 'nohead'}"))
     with pytest.raises(DraftsmithError, match="is neither `ngram`, `none` nor a folder"):
-        run(cfg)
+        run(check_config("eval", cfg))
 
 
 def test_unknown_head_is_refused(questions, tmp_path):

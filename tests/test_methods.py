@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from helpers import eval_cfg, make_tiny_data
 from throwaway_method import bigram_folders, bigram_proposer, train_bigram
@@ -45,7 +44,7 @@ def test_a_throwaway_method_trains_decodes_and_exports(bigram_method, tiny_targe
     data = make_tiny_data(tmp_path / "data", tiny_target, n=8)
     cfg = compose("train", ["target=tiny", f"data={data}", f"out={tmp_path / 'run'}", "max_steps=2",
                             "deepspeed=none", "wandb.mode=disabled", "progress=false", "micro_batch_size=2"])
-    cfg.method = OmegaConf.structured(BigramConfig(hidden=8))  # what method=bigram would compose
+    cfg.method = BigramConfig(hidden=8)  # what method=bigram would compose and check
     result = train_run(cfg)
     assert result["method"] == "bigram" and result["steps"] == 2
     metrics = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -8,8 +8,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
-from helpers import make_tiny_data
+from helpers import crash_after_step, make_tiny_data
 
+from draftsmith.configs import check_config
 from draftsmith.core import DraftsmithError
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.heads.draft import DraftLM, draft_from_model, draft_from_target, pick_layers
@@ -41,7 +42,7 @@ def _cfg(data, out, method=None, deepspeed="none", **kw):
         epochs=2, save_every=2, keep_last=5, lr=3e-3, warmup_ratio=0.2,
         progress=False, deepspeed=DeepSpeedConfig(deepspeed), **kw))
     cfg.wandb.mode = "disabled"
-    return cfg
+    return check_config("train", cfg)  # the typed tree train's run takes
 
 
 def _prompt(target):
@@ -127,8 +128,8 @@ def test_resume_is_exact(tiny_data, tmp_path, deepspeed, lora):
     method = DraftConfig(num_layers=2, loss="0.5*fkl+0.5*ce", lora=LoraOptions(enabled=lora, r=4))
     full = run(_cfg(tiny_data, tmp_path / "full", method, deepspeed))
     assert full["steps"] == 6
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run(_cfg(tiny_data, tmp_path / "cut", method, deepspeed, fail_at_step=3))
+    with crash_after_step(3), pytest.raises(RuntimeError, match="simulated crash"):
+        run(_cfg(tiny_data, tmp_path / "cut", method, deepspeed))
     resumed = run(_cfg(tiny_data, tmp_path / "cut", method, deepspeed, resume="true"))
     a = load_file(str(tmp_path / "full/checkpoints/step_00000006/head.safetensors"))
     b = load_file(str(tmp_path / "cut/checkpoints/step_00000006/head.safetensors"))

@@ -7,12 +7,13 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
+from draftsmith.configs import check_config
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.train.config import DeepSpeedConfig, TrainConfig
 from draftsmith.train.eagle3 import Eagle3Config
 from draftsmith.train.run import run
 from draftsmith.train.trainer import Logger, TrainerConfig
-from helpers import make_tiny_data
+from helpers import crash_after_step, make_tiny_data
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def _cfg(data, out, **kw):
         method=Eagle3Config(draft_vocab_size=64, ttt_steps=2),
         micro_batch_size=2, max_steps=3, save_every=100, deepspeed=DeepSpeedConfig("none"), **{"progress": False, **kw}))
     cfg.wandb.mode = "disabled"
-    return cfg
+    return check_config("train", cfg)  # the typed tree train's run takes
 
 
 class FakeRun:
@@ -88,8 +89,8 @@ def test_progress_lines_when_stderr_is_not_a_terminal(tiny_data, tmp_path, monke
 
 def test_fresh_rerun_after_a_crash_starts_metrics_clean(tiny_data, tmp_path, one_thread):
     out = tmp_path / "o"
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run(_cfg(tiny_data, out, fail_at_step=2))  # killed before any checkpoint
+    with crash_after_step(2), pytest.raises(RuntimeError, match="simulated crash"):
+        run(_cfg(tiny_data, out))  # killed before any checkpoint
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": 99, "junk": true}\n')
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3

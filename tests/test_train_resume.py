@@ -7,11 +7,12 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from draftsmith.configs import check_config
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.train.config import DeepSpeedConfig, TrainConfig
 from draftsmith.train.eagle3 import Eagle3Config
 from draftsmith.train.run import run
-from helpers import make_tiny_data
+from helpers import crash_after_step, make_tiny_data
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def _cfg(data, out, deepspeed="zero2", method=None, **kw):
         micro_batch_size=2, grad_accum=2, epochs=2, save_every=2, keep_last=5, lr=3e-3, warmup_ratio=0.2,
         progress=False, deepspeed=DeepSpeedConfig(deepspeed), **kw))
     cfg.wandb.mode = "disabled"
-    return cfg
+    return check_config("train", cfg)  # the typed tree train's run takes
 
 
 # issue 23's recipe options: the EAGLE-3.1 norms with feature noise (drawn from the checkpointed CPU RNG), and Muon
@@ -43,8 +44,8 @@ def test_resume_is_exact(tiny_data, tmp_path, deepspeed, recipe):
     options = RECIPES[recipe]
     full = run(_cfg(tiny_data, tmp_path / "full", deepspeed=deepspeed, **options))
     assert full["steps"] == 6
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run(_cfg(tiny_data, tmp_path / "cut", deepspeed=deepspeed, fail_at_step=3, **options))
+    with crash_after_step(3), pytest.raises(RuntimeError, match="simulated crash"):
+        run(_cfg(tiny_data, tmp_path / "cut", deepspeed=deepspeed, **options))
     resumed = run(_cfg(tiny_data, tmp_path / "cut", deepspeed=deepspeed, resume="true", **options))
     a = load_file(str(tmp_path / "full/checkpoints/step_00000006/head.safetensors"))
     b = load_file(str(tmp_path / "cut/checkpoints/step_00000006/head.safetensors"))
@@ -65,8 +66,8 @@ def test_resume_with_a_recipe_needs_what_the_checkpoint_restores(tiny_data, tmp_
 
     options = RECIPES[recipe]
     run(_cfg(tiny_data, tmp_path / "full", deepspeed="none", **options))
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run(_cfg(tiny_data, tmp_path / "cut", deepspeed="none", fail_at_step=3, **options))
+    with crash_after_step(3), pytest.raises(RuntimeError, match="simulated crash"):
+        run(_cfg(tiny_data, tmp_path / "cut", deepspeed="none", **options))
     monkeypatch.setattr(ckpt, restore, lambda *args: None)
     run(_cfg(tiny_data, tmp_path / "cut", deepspeed="none", resume="true", **options))
     a = load_file(str(tmp_path / "full/checkpoints/step_00000006/head.safetensors"))

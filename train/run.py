@@ -30,9 +30,8 @@ from omegaconf import OmegaConf
 from draftsmith.core import DraftsmithError, distributed, machine
 from draftsmith.core.artifacts import (OWNER, atomic_write_bytes, atomic_write_json, claim_output, clean_temporaries,
                                   is_empty, owner_of, prepare_output, refuse_links, remove_written)
-from draftsmith.configs import check_config
 from draftsmith.data_gen.target import load_target, resolved_target
-from draftsmith.core.methods import Method, method_for_config, trainable
+from draftsmith.core.methods import Method, method_for_config
 from draftsmith.train import checkpoint as ckpt
 from draftsmith.train.config import TrainConfig
 from draftsmith.train.data import load_data
@@ -41,19 +40,6 @@ from draftsmith.train.trainer import (Logger, TrainerConfig, autocast, evaluate,
                                       wrap_for_training)
 
 log = logging.getLogger(__name__)
-
-
-def validate(cfg) -> TrainConfig:
-    """Refuse bad option values with one sentence naming the option (the checks live in TrainConfig); the typed
-    config tree (a new TrainConfig, whatever `cfg` was: a composed config or one built in code).
-
-    TrainConfig names no method: `draftsmith train` takes configs/train.yaml's default, and a TrainConfig built in
-    code without one is refused here, never trained with a method it did not name."""
-    if OmegaConf.is_missing(cfg if OmegaConf.is_config(cfg) else OmegaConf.structured(cfg), "method"):
-        raise DraftsmithError(f"method= is required: one of {', '.join(trainable())} "
-                              f"(`draftsmith train method=<name>`; in code, TrainConfig(method=...) with that method's "
-                              f"options dataclass, draftsmith.train.<name>.HOOKS.config).")
-    return check_config("train", cfg)
 
 
 def compat_fields(cfg, identity: dict, world: int, n_train: int, total_steps: int) -> dict:
@@ -168,8 +154,8 @@ def save_final(method: Method, w, drafter: torch.nn.Module, folder: Path, identi
 
 
 def run(cfg: TrainConfig) -> dict:
-    """Train; see the module docstring for what comes back."""
-    cfg = validate(cfg)
+    """Train; see the module docstring for what comes back. `cfg` is the checked, typed tree
+    (draftsmith.configs.check_config: the CLI checks it once, a caller in code calls it first)."""
     out = check_output(cfg)
     method = method_for_config(cfg.method)
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cfg.device == "cuda" else cfg.device  # one per process
