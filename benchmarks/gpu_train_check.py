@@ -9,7 +9,7 @@ Parts (--parts, default all):
   kernels   method.attention=flex against dense on a packed micro-batch: loss, statistics and (on CUDA) gradients;
             one device-path step under torch.cuda.set_sync_debug_mode("error") (no host sync may happen in it).
   pipeline  data-gen on the device (the tiny target), train 20 steps with deepspeed=zero2, precision=bf16 (on
-            CUDA: the process group is cpu:gloo,cuda:nccl), the same run killed at step 10 (fail_at_step) and
+            CUDA: the process group is cpu:gloo,cuda:nccl), the same run killed after step 10 (tests/helpers.py crash_after_step) and
             resumed with resume=true, the two metrics.jsonl compared record by record; then export and eval.
   step      the EAGLE-3 training step (prepare + forward + backward + clip + AdamW, the trainer's own wrap,
             deepspeed=none, bf16 autocast over fp32 master weights, TTT 3, draft vocab 32k) on random-weight
@@ -409,8 +409,14 @@ def capture_part(device: torch.device, tiny: bool) -> dict:
 
 # ---- the pipeline -----------------------------------------------------------------------------------------------
 
-def cli(args: list[str], env: dict, log: Path, check: bool = True) -> int:
-    cmd = [sys.executable, "-c", "from draftsmith.cli import main; main()", *args]
+def cli(args: list[str], env: dict, log: Path, check: bool = True, crash_after: int | None = None) -> int:
+    """`draftsmith <args>` in a subprocess; crash_after=N: killed after step N by the tests' fault injection."""
+    code = "from draftsmith.cli import main; main()"
+    if crash_after is not None:
+        # the CLI first: it sets the process's threads before anything imports torch (helpers does)
+        code = ("from draftsmith.cli import main; import sys; sys.path.insert(0, 'tests')\n"
+                f"from helpers import crash_after_step\nwith crash_after_step({crash_after}): main()")
+    cmd = [sys.executable, "-c", code, *args]
     with open(log, "a") as f:
         f.write(f"$ draftsmith {' '.join(args)}\n")
         f.flush()
@@ -442,7 +448,7 @@ def pipeline_part(device: torch.device, tiny: bool, work: Path) -> dict:
     t0 = time.perf_counter()
     cli([*common, f"out={work / 'whole'}"], env, log)
     train_s = time.perf_counter() - t0
-    killed = cli([*common, f"out={work / 'cut'}", f"fail_at_step={steps // 2}"], env, log, check=False)
+    killed = cli([*common, f"out={work / 'cut'}"], env, log, check=False, crash_after=steps // 2)
     cli([*common, f"out={work / 'cut'}", "resume=true"], env, log)
     whole, cut = metrics(work / "whole"), metrics(work / "cut")
     compared = ("loss", "tokens", "lr", "acc_0", "val_etau_greedy")

@@ -39,7 +39,7 @@ def test_train_help_lists_options_with_defaults_and_descriptions(capsys):
 
     assert "peak learning rate" in row("lr") and "lr=0.0001" in row("lr")
     assert "length bucketing" in row("mega_batch") and "mega_batch=64" in row("mega_batch")
-    assert "(tests only)" in row("fail_at_step") and "fail_at_step=null" in row("fail_at_step")
+    assert not [ln for ln in lines if ln.strip().startswith("fail_at_step=")]  # the tests' crash lives in the tests
     assert "(required)" in row("data") and "data=???" in row("data")
     assert "target.name=smollm2" in row("target.name")
     assert "deepspeed.config=auto" in row("deepspeed.config")  # (was zero2: deepspeed=auto is the default now)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from draftsmith.cli import main
-from helpers import save_tiny_head
+from helpers import crash_after_step, save_tiny_head
 
 QUESTIONS = [{"question_id": 1, "category": "math", "turns": ["What is 2+2?"]}]
 PUBLISH = ["repo_id=someone/tiny-head", "base_model=someone/tiny-base", "license=mit", "allow_no_eval=true",
@@ -105,8 +105,8 @@ def test_truncated_checkpoint_is_refused_on_resume(base, tmp_path, capsys):
     from draftsmith.train.run import run
 
     args = [*EAGLE3_TRAIN, f"data={base / 'data'}", f"out={tmp_path / 'out'}", "max_steps=3", "save_every=1"]
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run(compose("train", [*args, "fail_at_step=2"]))
+    with crash_after_step(2), pytest.raises(RuntimeError, match="simulated crash"):
+        run(compose("train", args))
     (last,) = sorted((tmp_path / "out" / "checkpoints").glob("step_*"))[-1:]
     weights = last / "head.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])

@@ -78,7 +78,7 @@ def _data(n: int = 12) -> TrainData:
 
 def _cfg(**kw) -> SimpleNamespace:
     return SimpleNamespace(device="cpu", seed=0, precision="fp32", micro_batch_size=MICRO, grad_accum=GRAD_ACCUM,
-                           mega_batch=1, eval_every=0, log_every=1, save_every=10_000, keep_last=1, fail_at_step=None,
+                           mega_batch=1, eval_every=0, log_every=1, save_every=10_000, keep_last=1,
                            select_by="auto", **kw)
 
 

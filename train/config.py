@@ -101,8 +101,6 @@ class TrainConfig:
     log_every: int = 1  # optimizer steps between metrics.jsonl lines
     progress: bool = True  # show a progress bar
     wandb: WandbConfig = field(default_factory=WandbConfig)
-    # tests only: raise after this optimizer step (simulates a crash)
-    fail_at_step: Optional[int] = None
 
     def __post_init__(self):
         if self.data in (None, ""):
@@ -154,4 +152,3 @@ class TrainConfig:
         if self.precision == "fp16" and self.deepspeed.config == "auto" and launched_processes()[0] == 1:
             raise DraftsmithError("precision=fp16 needs DeepSpeed's loss scaling, and deepspeed=auto is plain torch "
                                   "in one process; use deepspeed=zero1/2/3 or precision=bf16.")
-        checks.at_least("fail_at_step", self.fail_at_step, 1, null="never")

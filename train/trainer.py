@@ -72,7 +72,6 @@ class TrainerConfig:
     select_by: str
     progress: bool
     wandb: object  # mode, project, name
-    fail_at_step: Optional[int]
 
     @staticmethod
     def from_train(cfg) -> "TrainerConfig":
@@ -436,8 +435,6 @@ def train_loop(w: Wrapped, cfg, data: TrainData, prepare: Callable, summarize: C
                 state = {**state_extra, "step": step, "epoch": step // batches_per_epoch,
                          "batch_in_epoch": step % batches_per_epoch, "metrics": record, "best": dict(best)}
                 save_checkpoint(w, out, step, state, rank, world, cfg.keep_last)
-            if cfg.fail_at_step is not None and step == cfg.fail_at_step:
-                raise RuntimeError(f"fail_at_step={step}: simulated crash")
     finally:
         stream.close()
     return record, val_metrics
