@@ -7,8 +7,8 @@ heads/eagle3_folders.py) and `format=speculators` (vLLM's speculators format, th
 
 from __future__ import annotations
 
+import logging
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -22,6 +22,8 @@ from draftsmith.data_gen.target import DTYPES, KNOWN_TARGETS, PRESETS, TargetCon
 from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS, served_folder
 from draftsmith.heads.folders import CONFIG, FormatOptions
 from draftsmith.core.methods import export_formats, method_for_folder
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -129,11 +131,11 @@ def default_verifier(target_id: Optional[str]) -> Optional[str]:
         return target_id
     hub_id = KNOWN_TARGETS.get(target_id, (None,))[0]
     if hub_id is None:
-        print(f"export: warning: the head's target is the preset {target_id!r}, which vLLM cannot load as the "
-              f"speculators verifier; pass verifier=<HF folder or hub id> to serve this folder.", file=sys.stderr)
+        log.warning(f"export: warning: the head's target is the preset {target_id!r}, which vLLM cannot load as the "
+                    f"speculators verifier; pass verifier=<HF folder or hub id> to serve this folder.")
         return target_id
-    print(f"export: verifier={hub_id} (the Hub id of the preset {target_id!r}); its weights are not the "
-          f"dequantised GGUF the head was trained on: pass verifier=<HF folder> to serve those.", file=sys.stderr)
+    log.warning(f"export: verifier={hub_id} (the Hub id of the preset {target_id!r}); its weights are not the "
+                f"dequantised GGUF the head was trained on: pass verifier=<HF folder> to serve those.")
     return hub_id
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import logging
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -15,6 +15,8 @@ from typing import Callable, Optional
 from torch.utils.cpp_extension import get_default_build_root
 
 from draftsmith.core import DraftsmithError
+
+log = logging.getLogger(__name__)
 
 
 def rank_world() -> tuple[int, int]:
@@ -97,13 +99,13 @@ def claim_dir(path: Path) -> bool:
 
 def wait_while_progressing(done: Callable[[], bool], signs: Callable[[], tuple], limit_s: float, poll_s: float,
                            note: Callable[[], str], give_up: Callable[[float], str]) -> None:
-    """Poll `done()` every `poll_s` seconds, printing `note()` every 5 minutes; raise DraftsmithError(give_up(limit))
+    """Poll `done()` every `poll_s` seconds, logging `note()` every 5 minutes; raise DraftsmithError(give_up(limit))
     once `signs()` (what changes while the others work) stayed the same for `limit_s` seconds."""
     last, since, noted = signs(), time.monotonic(), time.monotonic()
     while not done():
         now = time.monotonic()
         if now - noted >= 300:
-            print(note(), file=sys.stderr, flush=True)
+            log.info(note())  # long work: the stage speaks through logging (the CLI shows it)
             noted = now
         new = signs()
         if new != last:

@@ -1,9 +1,9 @@
 """Progress for long work: a tqdm bar on a terminal, plain lines at a steady interval elsewhere.
 
 A cluster job's log is not a terminal, and tqdm either stays silent there (`disable=None`) or
-fills it with carriage returns. So when stderr is not a terminal, `progress` prints one line
-every `DRAFTSMITH_PROGRESS_INTERVAL` seconds (default 30) and one at the end; a timer prints it
-even while one long item (a 3000-token answer) is still running:
+fills it with carriage returns. So when stderr is not a terminal, `progress` logs one line (logging, INFO: the
+stage speaks during long work, the CLI's logging shows it) every `DRAFTSMITH_PROGRESS_INTERVAL` seconds (default
+30) and one at the end; a timer logs it even while one long item (a 3000-token answer) is still running:
 
     regenerate: 120/480 (25%), 3.1 prompt/s, ETA 1m56s
 
@@ -15,6 +15,7 @@ even while one long item (a 3000-token answer) is still running:
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -22,6 +23,8 @@ import time
 from typing import Iterable, Optional, Sized
 
 from tqdm import tqdm
+
+log = logging.getLogger(__name__)
 
 
 def _interval() -> float:
@@ -42,17 +45,16 @@ class PlainProgress:
     """tqdm's small interface (update, set_postfix_str, close, iteration, context manager) as log lines."""
 
     def __init__(self, iterable: Optional[Iterable] = None, total: Optional[int] = None, desc: str = "",
-                 unit: str = "it", initial: int = 0, interval: Optional[float] = None, file=None):
+                 unit: str = "it", initial: int = 0, interval: Optional[float] = None):
         self.iterable, self.desc, self.unit = iterable, desc, unit
         if total is None and isinstance(iterable, Sized):
             total = len(iterable)
         self.total, self.n, self.start_n = total, initial, initial
         self.interval = _interval() if interval is None else interval
-        self.file = file or sys.stderr
         self.postfix = ""
         self.t0 = self.last = time.monotonic()
         self.closed = False
-        self.shown_n: Optional[int] = None  # n of the last line printed
+        self.shown_n: Optional[int] = None  # n of the last line logged
         self._lock = threading.Lock()
         self._stop = threading.Event()
         if self.interval > 0:  # steady lines even when no update comes for a while
@@ -75,7 +77,7 @@ class PlainProgress:
 
     def _emit(self) -> None:
         with self._lock:
-            print(self.line(), file=self.file, flush=True)
+            log.info(self.line())
             self.last, self.shown_n = time.monotonic(), self.n
 
     def update(self, n: int = 1) -> None:

@@ -154,9 +154,10 @@ def test_a_stale_lock_is_taken_over(compose_cfg, questions, tmp_path):
     assert (out / "manifest.json").is_file() and not (out / ranks.LOCK).exists()
 
 
-def test_progress_lines_when_not_a_terminal(compose_cfg, questions, tmp_path, monkeypatch, capfd):
+def test_progress_lines_when_not_a_terminal(compose_cfg, questions, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("DRAFTSMITH_PROGRESS_INTERVAL", "0")
+    caplog.set_level("INFO", logger="draftsmith.core.progress")  # progress lines are logged (the CLI shows them)
     dg.run(compose_cfg("data_gen", *argv(questions, tmp_path / "o", "prompts.n=4", "hidden_states=true")))
-    err = capfd.readouterr().err
+    err = "\n".join(r.getMessage() for r in caplog.records if r.name == "draftsmith.core.progress")
     assert "regenerate: 1/4 (25%)" in err and "regenerate: 4/4 (100%)" in err
     assert "capture: " in err and "(100%)" in err.split("capture: ")[-1]

@@ -1,55 +1,61 @@
-"""draftsmith.core.progress: plain lines when stderr is not a terminal."""
+"""draftsmith.core.progress: plain lines (logging, INFO) when stderr is not a terminal."""
 
-import io
+import logging
+
+import pytest
 
 from draftsmith.core.progress import PlainProgress, progress
 
 
-def test_plain_lines_name_done_total_rate_and_eta():
-    buf = io.StringIO()
-    bar = PlainProgress(total=4, desc="regenerate", unit="prompt", interval=0, file=buf)
+@pytest.fixture
+def lines(caplog):
+    """lines() -> the progress lines logged so far."""
+    caplog.set_level(logging.INFO, logger="draftsmith.core.progress")
+    return lambda: [r.getMessage() for r in caplog.records if r.name == "draftsmith.core.progress"]
+
+
+def test_plain_lines_name_done_total_rate_and_eta(lines):
+    bar = PlainProgress(total=4, desc="regenerate", unit="prompt", interval=0)
     bar.update(1)
     bar.update(3)
     bar.close()
-    lines = buf.getvalue().splitlines()
+    lines = lines()
     assert lines[0].startswith("regenerate: 1/4 (25%), ") and "prompt/s" in lines[0] and "ETA" in lines[0]
     assert lines[-1].startswith("regenerate: 4/4 (100%), ") and "ETA" not in lines[-1]
 
 
-def test_interval_limits_lines_and_close_always_prints():
-    buf = io.StringIO()
-    bar = PlainProgress(total=1000, desc="train", unit="step", interval=3600, file=buf)
+def test_interval_limits_lines_and_close_always_prints(lines):
+    bar = PlainProgress(total=1000, desc="train", unit="step", interval=3600)
     for _ in range(1000):
         bar.update(1)
-    assert buf.getvalue() == ""  # nothing before the interval has passed
+    assert lines() == []  # nothing before the interval has passed
     bar.close()
     bar.close()  # once only
-    assert buf.getvalue().splitlines() == [buf.getvalue().splitlines()[0]]
-    assert buf.getvalue().startswith("train: 1000/1000 (100%)")
+    assert len(lines()) == 1
+    assert lines()[0].startswith("train: 1000/1000 (100%)")
 
 
-def test_iterates_and_disabled_prints_nothing(capsys, monkeypatch):
+def test_iterates_and_disabled_prints_nothing(lines, capsys, monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_PROGRESS_INTERVAL", "0")
     assert list(progress(range(3), desc="eval", unit="prompt")) == [0, 1, 2]  # stderr is captured: not a tty
-    assert "eval: 3/3 (100%)" in capsys.readouterr().err
+    assert any("eval: 3/3 (100%)" in line for line in lines())
+    before = len(lines())
     assert list(progress(range(3), desc="eval", enabled=False)) == [0, 1, 2]
-    assert capsys.readouterr().err == ""
+    assert len(lines()) == before and capsys.readouterr().err == ""
 
 
-def test_close_does_not_repeat_the_last_line():
-    buf = io.StringIO()
-    bar = PlainProgress(total=2, desc="capture", interval=0, file=buf)
+def test_close_does_not_repeat_the_last_line(lines):
+    bar = PlainProgress(total=2, desc="capture", interval=0)
     bar.update(2)
     bar.close()
-    assert len(buf.getvalue().splitlines()) == 1
+    assert len(lines()) == 1
 
 
-def test_timer_prints_while_no_update_comes():
+def test_timer_prints_while_no_update_comes(lines):
     import time
 
-    buf = io.StringIO()
-    bar = PlainProgress(total=3, desc="regenerate", unit="prompt", interval=0.1, file=buf)
+    bar = PlainProgress(total=3, desc="regenerate", unit="prompt", interval=0.1)
     time.sleep(0.45)  # one long item: no update at all
     bar.close()
-    lines = buf.getvalue().splitlines()
+    lines = lines()
     assert len(lines) >= 2 and all(ln.startswith("regenerate: 0/3 (0%)") for ln in lines)

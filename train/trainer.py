@@ -18,9 +18,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +38,8 @@ from draftsmith.core.progress import progress
 from draftsmith.train import checkpoint as ckpt
 from draftsmith.train.data import TrainData, collate, micro_batch_plan, prefetch
 from draftsmith.train.optimizers import build_optimizer
+
+log = logging.getLogger(__name__)
 
 DS_CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "deepspeed"
 
@@ -322,8 +324,8 @@ class Logger:
                                       dir=str(out), config=config_dict, resume="allow")
             except Exception as e:  # noqa: BLE001 - deliberate, loudly reported fallback
                 first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
-                print(f"draftsmith train: warning: wandb (mode={mode}) did not start ({type(e).__name__}: {first[:200]}); "
-                      f"training continues without wandb, metrics go to {self.path} only.", file=sys.stderr, flush=True)
+                log.warning(f"draftsmith train: warning: wandb (mode={mode}) did not start ({type(e).__name__}: "
+                            f"{first[:200]}); training continues without wandb, metrics go to {self.path} only.")
                 self.run = None
 
     def log(self, record: dict) -> None:
