@@ -43,6 +43,7 @@ from draftsmith.heads.mtp import MTPDrafter
 from draftsmith.heads.peagle import PEagleHead, peagle_config_from_target
 from draftsmith.heads.vocab import build_vocab_map
 from draftsmith.train import trainer
+from draftsmith.train.eagle3 import ttt_hidden
 
 # ---- building a drafter ----------------------------------------------------------------------------------
 
@@ -72,6 +73,14 @@ def init_from_used_tokens(head, target, used):
     t2d[used] = True
     head.init_from_target(target, used - torch.arange(len(used)), t2d)
     return head
+
+
+def ttt_unroll(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Tensor, attention_mask: torch.Tensor,
+               steps: int, **options):
+    """Yield the draft logits (B, T, Vd) of each TTT step of train/eagle3.py; index t of step i drafts x_{t+2+i}
+    (the training loss takes the logits of the positions that count only). options: ttt_hidden's."""
+    for h in ttt_hidden(head, input_ids, hidden, attention_mask, steps, **options):
+        yield head.lm_head(head.norm(h))
 
 
 # ---- the built-in decoder: one forward per cycle, the slots it attends to, lossless -----------------------

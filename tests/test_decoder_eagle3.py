@@ -10,12 +10,11 @@ without and with the EAGLE-3.1 norms (norm_output: both hand the POST-norm hidde
 import pytest
 import torch
 from helpers import (AUX, EAGLE3_K, EAGLE3_V, Eagle3RecordingProposer, eagle3_decoder_features, eagle3_decoder_head,
-                     eagle3_decoder_target)
+                     eagle3_decoder_target, ttt_unroll)
 
 from draftsmith.eval.decoder import DraftingConfig, SamplingConfig, speculative_generate
 from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
 from draftsmith.eval.target_runner import TargetRunner
-from draftsmith.train.eagle3 import ttt_unroll
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

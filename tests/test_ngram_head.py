@@ -15,12 +15,11 @@ from draftsmith.eval.proposers.draft import DraftModelProposer
 from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
 from draftsmith.eval.proposers.ngram import NgramFirstProposer, NgramProposer
 from draftsmith.eval.target_runner import TargetRunner
-from draftsmith.train.eagle3 import ttt_unroll
 from helpers import (AUX, EAGLE3_K, EAGLE3_V, Eagle3RecordingProposer, PEagleRecordingProposer, chi2_pvalue,
                      draft_llama, eagle3_decoder_features, eagle3_decoder_head, eagle3_decoder_target,
                      eagle3_head_f64, exact_joint, peagle_decoder_head, peagle_from_scratch, peagle_head_f64,
                      peaked_llama, repetitive_prompt, sampled_joint_and_proposed, sampling_llama, sampling_proposer,
-                     save_tiny_head)
+                     save_tiny_head, ttt_unroll)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

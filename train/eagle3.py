@@ -340,14 +340,6 @@ def ttt_attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, m
     return attn.o_proj(y), k, v
 
 
-def ttt_unroll(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Tensor,
-               attention_mask: torch.Tensor, steps: int, **options):
-    """Yield the draft logits (B, T, Vd) of each TTT step; index t of step i drafts x_{t+2+i} (for tests:
-    the loss takes the logits of the positions that count only). options: ttt_hidden's."""
-    for h in ttt_hidden(head, input_ids, hidden, attention_mask, steps, **options):
-        yield head.lm_head(head.norm(h))
-
-
 # the soft-CE's temporaries per chunk off the CPU: about 3 (rows, Vd) float32 tensors within this budget
 LOSS_CHUNK_BYTES = 512 * 2 ** 20
 
