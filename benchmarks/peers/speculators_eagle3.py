@@ -99,11 +99,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
-PEER = "speculators"
 SPECULATORS_ARCHITECTURE = "Eagle3DraftModel"
 DATA_MARK = "peer_data.json"  # what `convert` writes: its own output folder (a rerun may replace it)
 RUN_MARK = "peer_speculators.json"  # what `train` writes into --out
-NORM_FLAGS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
 
 
 class PeerError(Exception):
