@@ -55,7 +55,8 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_target(runner, context: int, sizes: Sequence[int], repeats: int = 5, tree_sizes: Sequence[int] = (),
+def measure_target(runner, context: int, sizes: Sequence[int], repeats: int = EvalConfig.cost_repeats,
+                   tree_sizes: Sequence[int] = (),
                    clock: Callable[[], float] = time.perf_counter) -> dict:
     """Median seconds of one target pass over n tokens after a `context`-token cache, for n in `sizes`
     (chains: causal mask) and `tree_sizes` (a root with n-1 children: the tree-mask path).

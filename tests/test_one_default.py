@@ -14,8 +14,8 @@ The rules, precise so that they cannot flicker:
   "k"; data_gen's and train's k stay what they are there (the top-k logits kept, the TTT step index);
 - a parameter or field named num_speculative_tokens has no literal default: NUM_SPECULATIVE_TOKENS, None (a
   writer's own rule) or none; `NUM_SPECULATIVE_TOKENS = <int>` is written once, in core/engine.py;
-- a parameter named like one of eval's options whose default the config holds (ONE_DEFAULT) has no literal
-  default: it reads the config's (`EvalConfig.ngram_max`) or has none;
+- a parameter named like an option whose default a config dataclass holds (ONE_DEFAULT: eval's, train's) has no
+  literal default: it reads the config's (`EvalConfig.ngram_max`, `TrainConfig.optimizer`) or has none;
 - a training loss's TTT steps come from its caller: no default (eagle3_loss once had steps=7 while
   method.ttt_steps defaulted to 3).
 """
@@ -36,7 +36,8 @@ OTHER_NAMES = {"kk", "main_k", "depth_cap", "num_draft_tokens", "n_draft", "draf
 COUNT_MARKERS = {COUNT, "sweep_k"}  # attributes and names that hold the count (or the list of counts)
 SCOPED = ("commands/", "core/", "heads/", "eval/")
 ROW_KEYS = {"k", COUNT}  # a report row's or a JSON's key for the count
-ONE_DEFAULT = {"ngram_min", "ngram_max", "stop_below", "tree_top_k", "tree_budget", "ttt_steps", "ttt_decay"}
+ONE_DEFAULT = {"ngram_min", "ngram_max", "stop_below", "tree_top_k", "tree_budget", "ttt_steps", "ttt_decay", "depth_decay",
+               "cost_repeats", "near_tie_eps", "optimizer", "max_new_tokens", "max_tokens"}
 CONSTANT = "NUM_SPECULATIVE_TOKENS"
 CONSTANT_HOME = "core/engine.py"
 
@@ -186,6 +187,7 @@ BEFORE = {
     "def eagle3_loss(head, steps: int = 7, decay: float = 0.8): pass": literal_defaults,
     "def llamacpp_settings(method, num_speculative_tokens, ngram_max: int = 3): pass": literal_defaults,
     "NUM_SPECULATIVE_TOKENS = 3": literal_defaults,
+    "def resolve_deepspeed(requested, environ=None, optimizer: str = 'adamw'): pass": literal_defaults,
 }
 ALLOWED = [
     "def update(self, cache_positions, k: torch.Tensor, v: torch.Tensor): pass",  # attention's keys

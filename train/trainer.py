@@ -36,6 +36,7 @@ from draftsmith.core.locks import stale_extension_locks
 from draftsmith.core.procenv import launched_processes
 from draftsmith.core.progress import progress
 from draftsmith.train import checkpoint as ckpt
+from draftsmith.train.config import TrainConfig
 from draftsmith.train.data import TrainData, collate, micro_batch_plan, prefetch
 from draftsmith.train.optimizers import build_optimizer
 
@@ -83,7 +84,7 @@ class TrainerConfig:
 
 
 def resolve_deepspeed(requested: str, environ: Optional[Mapping[str, str]] = None,
-                      optimizer: str = "adamw") -> tuple[str, str]:
+                      optimizer: str = TrainConfig.optimizer) -> tuple[str, str]:
     """(deepspeed preset or JSON, why). auto: none (plain torch, as deepspeed=none) for one process, so that
     nothing of DeepSpeed is imported and none of its ops is JIT-built (on CPU it compiles them with g++ on
     first use); zero2 when launched with several processes (procenv.launched_processes of `environ`), unless
