@@ -116,8 +116,6 @@ def option_rows(cls, node, prefix: str = ""):
             yield from option_rows(type(child), child, name + ".")
             continue
         doc = docs.get(f.name, "")
-        if doc.startswith("tests only: "):
-            doc = doc.removeprefix("tests only: ") + " (tests only)"
         if missing:
             doc = f"{doc} (required)".strip()
         yield name, "???" if missing else _show(child), doc
