@@ -51,8 +51,8 @@ from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.folders import (build_head, export_verifier, folder_hooks,
                                       folder_tensors, gguf_writer, with_target_embeddings,
                                       write_head_folder)
-from draftsmith.core.method_hooks import FolderHooks
 from draftsmith.core.layers import default_aux_layer_ids
+from draftsmith.core.method_hooks import FolderHooks
 
 ARCHITECTURES = (DFLASH_ARCHITECTURE,)
 FOREIGN_ARCHITECTURES = {DFLASH_SPECULATORS_ARCHITECTURE: "the speculators format (vLLM loads it); give the DFlash "

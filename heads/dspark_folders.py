@@ -42,9 +42,9 @@ from typing import Optional
 
 import torch
 
-from draftsmith.core.method_hooks import FolderHooks
 from draftsmith.core import DraftsmithError
 from draftsmith.core.layers import default_aux_layer_ids
+from draftsmith.core.method_hooks import FolderHooks
 from draftsmith.heads.block_folders import (GGUF_CONVERTER_ARCHITECTURE, check_gguf_vocab, check_target_layers,
                                             dflash_config_from_json, dflash_config_json, dflash_tensor_shapes,
                                             save_speculators_block, speculators_dflash_config_json)

@@ -23,7 +23,6 @@ from typing import Optional
 
 import torch
 
-from draftsmith.core.method_hooks import FolderHooks
 from draftsmith.core import DraftsmithError
 from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS
 from draftsmith.heads.eagle3 import NUM_AUX, Eagle3Head, norms_of
@@ -33,6 +32,7 @@ from draftsmith.heads.folders import (CONFIG, EAGLE3_ARCHITECTURE, EMBED, WEIGHT
                                       read_config_json, speculators_fields, speculators_writer,
                                       with_target_embeddings, write_head_folder)
 from draftsmith.core.layers import default_aux_layer_ids
+from draftsmith.core.method_hooks import FolderHooks
 
 SPECULATORS_ARCHITECTURE = "Eagle3DraftModel"
 ARCHITECTURES = (EAGLE3_ARCHITECTURE,)

@@ -21,7 +21,6 @@ from typing import Optional
 
 import torch
 
-from draftsmith.core.method_hooks import FolderHooks
 from draftsmith.core import DraftsmithError
 from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS
 from draftsmith.heads.folders import (CONFIG, EAGLE3_ARCHITECTURE, EMBED, WEIGHTS, build_head,
@@ -30,6 +29,7 @@ from draftsmith.heads.folders import (CONFIG, EAGLE3_ARCHITECTURE, EMBED, WEIGHT
                                       read_config_json, speculators_fields, speculators_writer,
                                       with_target_embeddings, write_head_folder)
 from draftsmith.core.layers import default_aux_layer_ids
+from draftsmith.core.method_hooks import FolderHooks
 from draftsmith.heads.peagle import PEagleHead
 
 PEAGLE_SPECULATORS_ARCHITECTURE = "PEagleDraftModel"
