@@ -235,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"draftsmith {command}: error: {e}", file=sys.stderr)
         sys.exit(2)
 
+    checked = None  # the typed tree checked before any work (when Hydra composes the same one: no multirun, ...)
     try:
         if "--version" in overrides:
             print(version())
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
 
             check_overrides(command, config_name, args.overrides)
 
-            compose(config_name, args.overrides, missing_ok=bool(args.cfg))
+            checked = compose(config_name, args.overrides, missing_ok=bool(args.cfg))
     except DraftsmithError as e:
         fail(e)
 
@@ -271,7 +272,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def task(cfg) -> None:
         try:
-            result = stage.run(check_config(config_name, cfg))  # the typed config tree
+            # the typed tree, checked once: the one checked above, else (a multirun job, another config) Hydra's
+            result = stage.run(checked if checked is not None else check_config(config_name, cfg))
         except DraftsmithError as e:
             fail(e)
         except KeyboardInterrupt:  # Ctrl-C: one line that says what the next run does, not a torch traceback
