@@ -26,7 +26,7 @@ from draftsmith.core import DraftsmithError, engine
 from draftsmith.core.engine import Engines
 from draftsmith.eval import metrics
 from draftsmith.eval.config import EvalConfig, check_engine_options
-from draftsmith.eval.cost import serving_settings
+from draftsmith.eval.cost import predicted_tau, serving_settings
 from draftsmith.eval.proposers.ngram import NGRAM_ENGINES
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def engine_runs(cfg, drafter, num_speculative_tokens: int) -> list[dict]:
     if "ngram" in cfg.baselines and drafter.method != "ngram":
         runs.append({"name": "ngram", "k": num_speculative_tokens,
                      "speculative_config": speculative_config("ngram", NGRAM_ENGINES, None, num_speculative_tokens,
-                                                                                      cfg.ngram_min, cfg.ngram_max)})
+                                                              cfg.ngram_min, cfg.ngram_max)})
     return runs
 
 
@@ -306,7 +306,8 @@ def engine_cost_model(section: dict, method: str, report: dict) -> Optional[dict
             lo = max(j for j in decoded if j < num_speculative_tokens)
             hi = min(j for j in decoded if j > num_speculative_tokens)
             t_cycle = cycle[lo] + (cycle[hi] - cycle[lo]) * (num_speculative_tokens - lo) / (hi - lo)
-        tau = 1.0 + sum(acceptance[:num_speculative_tokens]) if num_speculative_tokens <= len(acceptance) else None
+        tau = (predicted_tau(acceptance, num_speculative_tokens) if num_speculative_tokens <= len(acceptance)
+               else None)
         run = dict(measured).get(num_speculative_tokens)
         b = builtin_rows.get(num_speculative_tokens) or {}
         rows.append({"k": num_speculative_tokens, "t_cycle_s": t_cycle, "cycle_over_step": t_cycle / t_step,
