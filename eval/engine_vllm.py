@@ -76,6 +76,7 @@ def engine_runs(cfg, drafter, num_speculative_tokens: int) -> list[dict]:
 
 
 def run_name(method: str, num_speculative_tokens: int, main_num_speculative_tokens: int) -> str:
+    """A run's name in the report: the method at the eval's K, `<method>@K=<n>` at another K of the sweep."""
     return method if num_speculative_tokens == main_num_speculative_tokens else f"{method}@K={num_speculative_tokens}"
 
 

@@ -34,7 +34,7 @@ from draftsmith.eval import cost, metrics
 from draftsmith.eval.config import EvalConfig, build_settings
 from draftsmith.eval.decoder import DraftingConfig, GenerationResult, Proposer, speculative_generate
 from draftsmith.eval.engine_llamacpp import llamacpp_report
-from draftsmith.eval.engine_vllm import engine_report
+from draftsmith.eval.engine_vllm import engine_report, run_name
 from draftsmith.eval.prompts import EvalPrompt, load_prompts, render
 from draftsmith.eval.proposers.ngram import NGRAM_ENGINES, NgramFirstProposer, NgramProposer
 from draftsmith.eval.report import hardware, software_versions, summary_lines, write_report
@@ -287,10 +287,6 @@ def method_proposers(cfg, drafter: Drafter) -> dict[str, Optional[Proposer]]:
     return proposers
 
 
-def sweep_name(method: str, num_speculative_tokens: int) -> str:
-    return f"{method}@K={num_speculative_tokens}"
-
-
 def add_sweep(setup: Setup, drafter: Drafter, proposers: dict[str, Optional[Proposer]]) -> None:
     """sweep_k: the head's proposer once more per extra K (the same instance: it is reset for every decode)."""
     if drafter.make is None:
@@ -298,7 +294,7 @@ def add_sweep(setup: Setup, drafter: Drafter, proposers: dict[str, Optional[Prop
     d = setup.drafting
     for num_speculative_tokens in dict.fromkeys(getattr(setup.cfg, "sweep_k", [])):
         if num_speculative_tokens != d.num_speculative_tokens:
-            name = sweep_name(drafter.method, num_speculative_tokens)
+            name = run_name(drafter.method, num_speculative_tokens, d.num_speculative_tokens)
             setup.sweep[name] = dataclasses.replace(d, num_speculative_tokens=num_speculative_tokens)
             proposers[name] = proposers[drafter.method]
 
