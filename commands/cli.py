@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import re
 import sys
 from typing import Sequence
@@ -284,7 +285,15 @@ def main(argv: list[str] | None = None) -> None:
             print(stage.summary(result))
 
     sys.argv = [f"draftsmith {command}", *overrides]
-    hydra.main(config_path="pkg://draftsmith.configs", config_name=config_name, version_base=None)(task)()
+    # Hydra points the root logger at this job's stdout (configs' hydra/job_logging: stdout), where the stages' log
+    # lines go; a caller in the same process (the tests) gets its own logging back, not a handler on a closed stream
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        hydra.main(config_path="pkg://draftsmith.configs", config_name=config_name, version_base=None)(task)()
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
 
 
 if __name__ == "__main__":
