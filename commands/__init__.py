@@ -5,6 +5,6 @@ This folder (commands/) is the package root: the `draftsmith` command (cli.py) a
 (docs/layout.md)."""
 
 from draftsmith.core import DraftsmithError, __version__
-from draftsmith import methods  # noqa: F401  (registers the method rows: Python imports this package before any stage)
+from . import methods  # noqa: F401  (registers the method rows: Python imports this package before any stage)
 
 __all__ = ["DraftsmithError", "__version__"]

@@ -36,11 +36,11 @@ from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS
 from draftsmith.core.methods import export_formats, method_for_folder, read_folder_config
 from draftsmith.core.trust import check_weights_file
 from draftsmith.data_gen.target import DTYPES, KNOWN_TARGETS
-from draftsmith.export import is_set
+from .export import is_set
 from draftsmith.heads.folders import WEIGHTS, weights_sha256
-from draftsmith.hub import has_token, hub_offline, offline_refusal, upload
-from draftsmith.public_paths import public_paths
-from draftsmith.publish_folder import EVAL_FILES, refuse_links, upload_files, write_publish_folder
+from .hub import has_token, hub_offline, offline_refusal, upload
+from .public_paths import public_paths
+from .publish_folder import EVAL_FILES, refuse_links, upload_files, write_publish_folder
 
 REPO_ID_RULE = "<owner>/<name>, letters, digits, '-', '_' and '.', at most 96 characters"
 

@@ -13,10 +13,10 @@ from draftsmith.core import DraftsmithError
 from draftsmith.core.artifacts import (MANIFEST, OWNER, RECORD, atomic_folder, atomic_write_bytes, atomic_write_json,
                                        claim_output, read_manifest, read_record)
 from draftsmith.data_gen.target import torch_dtype
-from draftsmith.export import head_target_folder
+from .export import head_target_folder
 from draftsmith.heads.folders import FormatOptions
-from draftsmith.public_paths import PublicPaths
-from draftsmith.publish_card import build_card, training_summary
+from .public_paths import PublicPaths
+from .publish_card import build_card, training_summary
 
 LINK_FIX = ("publish reads and uploads no file reached through a link, as it can point at any file on this machine: "
             "put the file itself there (or remove the link)")

@@ -18,8 +18,8 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, ListConfig, MISSING, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from draftsmith.core import DraftsmithError
-from draftsmith.core.methods import methods, trainable
+from ..core import DraftsmithError
+from ..core.methods import methods, trainable
 
 CONFIG_MODULE = "draftsmith.configs"
 

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from draftsmith.core import DraftsmithError, __version__
+from . import DraftsmithError, __version__
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"

@@ -7,7 +7,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from draftsmith.core import DraftsmithError
+from . import DraftsmithError
 
 
 def at_least(name: str, value, low, *, null: Optional[str] = None) -> None:

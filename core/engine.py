@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from draftsmith.core import DraftsmithError
+from . import DraftsmithError
 
 @dataclass(frozen=True)
 class Engines:

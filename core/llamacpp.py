@@ -33,7 +33,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional, Sequence
 
-from draftsmith.core import DraftsmithError
+from . import DraftsmithError
 
 VERSION = "0.3.36"  # PyPI llama-cpp-python, whose sdist vendors the llama.cpp tree built here
 COMMIT = "0c1e570"  # the vendored llama.cpp commit (the sdist's submodule)

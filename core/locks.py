@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 from torch.utils.cpp_extension import get_default_build_root
 
-from draftsmith.core import DraftsmithError
+from . import DraftsmithError
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from draftsmith.core import DraftsmithError, procenv
+from . import DraftsmithError, procenv
 
 log = logging.getLogger(__name__)
 

@@ -34,9 +34,9 @@ from typing import Any, Callable, Optional
 
 from omegaconf import OmegaConf
 
-from draftsmith.core import DraftsmithError
-from draftsmith.core.engine import Engines
-from draftsmith.core.method_hooks import FolderHooks, FormatWriter, ProposerBuilder, TrainingHooks
+from . import DraftsmithError
+from .engine import Engines
+from .method_hooks import FolderHooks, FormatWriter, ProposerBuilder, TrainingHooks
 
 
 @dataclass(frozen=True)

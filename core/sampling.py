@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftsmith.core import DraftsmithError
+from . import DraftsmithError
 
 
 @dataclass

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from draftsmith.core import DraftsmithError
+from . import DraftsmithError
 
 SAFETENSORS_MAX_HEADER = 100_000_000  # the safetensors library's own limit on the JSON header
 # Weights files draftsmith never loads: unpickling them can run any code

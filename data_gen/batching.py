@@ -31,8 +31,8 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from draftsmith.core import DraftsmithError
-from draftsmith.core.sampling import process_logits
+from ..core import DraftsmithError
+from ..core.sampling import process_logits
 
 
 def sample_next(logits: torch.Tensor, params, generators: list[torch.Generator]) -> torch.Tensor:

@@ -43,10 +43,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from draftsmith.core import DraftsmithError
-from draftsmith.core.artifacts import atomic_write_bytes, atomic_write_json
-from draftsmith.data_gen.target import torch_dtype
-from draftsmith.core.progress import progress
+from ..core import DraftsmithError
+from ..core.artifacts import atomic_write_bytes, atomic_write_json
+from .target import torch_dtype
+from ..core.progress import progress
 
 INDEX = "index.json"
 RANK_INDEX = "index.rank{:05d}.json"  # a rank's finished shards, while ranks capture together

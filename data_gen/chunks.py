@@ -15,10 +15,10 @@ import logging
 from collections import Counter
 from pathlib import Path
 
-from draftsmith.core import DraftsmithError
-from draftsmith.core import artifacts as mf
-from draftsmith.core.progress import progress
-from draftsmith.data_gen.regenerate import SamplingParams, make_backend, regenerate_all, regenerate_in_order
+from ..core import DraftsmithError
+from ..core import artifacts as mf
+from ..core.progress import progress
+from .regenerate import SamplingParams, make_backend, regenerate_all, regenerate_in_order
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 from urllib.parse import urlsplit
 
-from draftsmith.core import DraftsmithError, checks
-from draftsmith.data_gen.target import DTYPES, TargetConfig
-from draftsmith.core.sampling import SamplingConfig
+from ..core import DraftsmithError, checks
+from .target import DTYPES, TargetConfig
+from ..core.sampling import SamplingConfig
 
 PROMPT_SOURCES = ("self", "sharegpt", "openai", "question", "hf")
 

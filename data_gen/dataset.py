@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from draftsmith.core import DraftsmithError
-from draftsmith.core.artifacts import check_same_target, read_manifest
+from ..core import DraftsmithError
+from ..core.artifacts import check_same_target, read_manifest
 
 
 def load_tokenized(data_dir: str | Path, target_identity: dict | None = None):

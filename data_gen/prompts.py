@@ -23,13 +23,13 @@ from typing import Iterable, Iterator, Optional
 import datasets
 import torch
 
-from draftsmith.core import DraftsmithError
-from draftsmith.data_gen.config import TASK_OPENERS, PromptsConfig
-from draftsmith.data_gen.filters import PromptFilter
-from draftsmith.data_gen.regenerate import SamplingParams, generate_tokens
-from draftsmith.data_gen.tokenize import apply_chat_template
-from draftsmith.core.progress import progress
-from draftsmith.core.sampling import hash_seed
+from ..core import DraftsmithError
+from .config import TASK_OPENERS, PromptsConfig
+from .filters import PromptFilter
+from .regenerate import SamplingParams, generate_tokens
+from .tokenize import apply_chat_template
+from ..core.progress import progress
+from ..core.sampling import hash_seed
 
 log = logging.getLogger(__name__)
 

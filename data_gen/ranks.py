@@ -29,14 +29,14 @@ from pathlib import Path
 import datasets
 import torch
 
-from draftsmith.core import DraftsmithError
-from draftsmith.core import artifacts as mf
-from draftsmith.core.locks import acquire_lock as claim_run, claim_dir, claim_file, release_lock
-from draftsmith.core.locks import wait_while_progressing
-from draftsmith.data_gen.capture import WRITTEN as CAPTURE_FILES
-from draftsmith.data_gen.capture import capture_hidden_states, finished_shards, num_shards, write_index
-from draftsmith.data_gen.chunks import REGEN, chunk_count, chunks_with_failures, drop_extra_chunks
-from draftsmith.data_gen.sets import (COUNT_KEYS, KEY, STATE, build_whole_sets, count_rows, generate_part, read_counts,
+from ..core import DraftsmithError
+from ..core import artifacts as mf
+from ..core.locks import acquire_lock as claim_run, claim_dir, claim_file, release_lock
+from ..core.locks import wait_while_progressing
+from .capture import WRITTEN as CAPTURE_FILES
+from .capture import capture_hidden_states, finished_shards, num_shards, write_index
+from .chunks import REGEN, chunk_count, chunks_with_failures, drop_extra_chunks
+from .sets import (COUNT_KEYS, KEY, STATE, build_whole_sets, count_rows, generate_part, read_counts,
                                       set_ready, unfinish, write_sets)
 
 log = logging.getLogger(__name__)

@@ -36,13 +36,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Optional
 
-from draftsmith.core import DraftsmithError, engine
-from draftsmith.data_gen.batching import generate_tokens
-from draftsmith.data_gen.config import BackendConfig
-from draftsmith.data_gen.tokenize import apply_chat_template
-from draftsmith.core.machine import dtype_name
-from draftsmith.core.retry import Backoff, Transient, call, retry_after_s, retryable_status
-from draftsmith.core.sampling import SamplingConfig, hash_seed
+from ..core import DraftsmithError, engine
+from .batching import generate_tokens
+from .config import BackendConfig
+from .tokenize import apply_chat_template
+from ..core.machine import dtype_name
+from ..core.retry import Backoff, Transient, call, retry_after_s, retryable_status
+from ..core.sampling import SamplingConfig, hash_seed
 
 
 @dataclass

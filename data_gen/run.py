@@ -53,22 +53,22 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from draftsmith.core import DraftsmithError
-from draftsmith.core import artifacts as mf
-from draftsmith.core.locks import rank_world
-from draftsmith.core.methods import methods
-from draftsmith.data_gen.capture import WRITTEN as CAPTURE_FILES
-from draftsmith.data_gen.capture import FEATURE_SOURCES
-from draftsmith.data_gen.chunks import REGEN, digest, regeneration_settings
-from draftsmith.data_gen.config import DataGenConfig
-from draftsmith.data_gen.prompts import filter_counts_text, load_prompts
-from draftsmith.data_gen.ranks import (PARTS, acquire_lock, another_rank_writes_the_manifest, build_sets, capture,
+from ..core import DraftsmithError
+from ..core import artifacts as mf
+from ..core.locks import rank_world
+from ..core.methods import methods
+from .capture import WRITTEN as CAPTURE_FILES
+from .capture import FEATURE_SOURCES
+from .chunks import REGEN, digest, regeneration_settings
+from .config import DataGenConfig
+from .prompts import filter_counts_text, load_prompts
+from .ranks import (PARTS, acquire_lock, another_rank_writes_the_manifest, build_sets, capture,
                                        rank_device, rank_result, release_locks)
-from draftsmith.data_gen.regenerate import BACKENDS
-from draftsmith.data_gen.sets import KEY, STATE, read_counts, sets_key
-from draftsmith.data_gen.target import Target, load_target, resolved_target, torch_dtype
-from draftsmith.data_gen.topk import WRITTEN as TOPK_FILES
-from draftsmith.data_gen.topk import capture_topk
+from .regenerate import BACKENDS
+from .sets import KEY, STATE, read_counts, sets_key
+from .target import Target, load_target, resolved_target, torch_dtype
+from .topk import WRITTEN as TOPK_FILES
+from .topk import capture_topk
 
 log = logging.getLogger(__name__)
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import datasets
 
-from draftsmith.core import DraftsmithError
-from draftsmith.core import artifacts as mf
-from draftsmith.data_gen.chunks import (REGEN, check_failures, chunk_count, chunks_with_failures, digest,
+from ..core import DraftsmithError
+from ..core import artifacts as mf
+from .chunks import (REGEN, check_failures, chunk_count, chunks_with_failures, digest,
                                         drop_extra_chunks, prompt_fingerprint, regenerate_chunks)
-from draftsmith.data_gen.filters import filter_answers
-from draftsmith.data_gen.tokenize import tokenize_samples
+from .filters import filter_answers
+from .tokenize import tokenize_samples
 
 # What a finished tokenized set leaves beside it (in out/, and in each rank's part): the ranks read them to tell
 # what the others have done, a rerun to tell what it may reuse.

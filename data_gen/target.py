@@ -28,11 +28,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig,
                           LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast)
 
-from draftsmith.core import DraftsmithError, checks, machine
-from draftsmith.core.artifacts import default_mode
-from draftsmith.data_gen.tokenize import apply_chat_template
-from draftsmith.core.layers import default_aux_layer_ids
-from draftsmith.core.trust import check_weights_file, remote_code_refused
+from ..core import DraftsmithError, checks, machine
+from ..core.artifacts import default_mode
+from .tokenize import apply_chat_template
+from ..core.layers import default_aux_layer_ids
+from ..core.trust import check_weights_file, remote_code_refused
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,

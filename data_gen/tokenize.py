@@ -16,7 +16,7 @@ import re
 import jinja2
 import jinja2.exceptions as jx
 
-from draftsmith.core import DraftsmithError
+from ..core import DraftsmithError
 
 THINK = re.compile(r"<think>.*?</think>\s*", flags=re.DOTALL)
 

@@ -26,10 +26,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from draftsmith.core import DraftsmithError
-from draftsmith.core.artifacts import atomic_write_bytes, atomic_write_json, remove_written
-from draftsmith.data_gen.capture import shard_name, tokens_hash
-from draftsmith.core.progress import progress
+from ..core import DraftsmithError
+from ..core.artifacts import atomic_write_bytes, atomic_write_json, remove_written
+from .capture import shard_name, tokens_hash
+from ..core.progress import progress
 
 FOLDER = "topk_logits"
 INDEX = "index.json"

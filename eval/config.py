@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from draftsmith.core import DraftsmithError, checks, llamacpp
-from draftsmith.data_gen.config import PromptSetConfig
-from draftsmith.data_gen.target import TargetConfig
-from draftsmith.eval.decoder import DraftingConfig
-from draftsmith.eval.proposers.ngram import NGRAM_MATCHES
-from draftsmith.core.sampling import SamplingConfig
+from ..core import DraftsmithError, checks, llamacpp
+from ..data_gen.config import PromptSetConfig
+from ..data_gen.target import TargetConfig
+from .decoder import DraftingConfig
+from .proposers.ngram import NGRAM_MATCHES
+from ..core.sampling import SamplingConfig
 
 # ngram+head: the head folder's drafts after n-gram lookup (`ngram+<method>`, as ngram_first=true measures it) beside
 # the head alone

@@ -25,9 +25,9 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from draftsmith.core.engine import Engines
-from draftsmith.eval.config import EvalConfig
-from draftsmith.eval.decoder import DraftingConfig, tree_mask
+from ..core.engine import Engines
+from .config import EvalConfig
+from .decoder import DraftingConfig, tree_mask
 
 
 # ---- the model ------------------------------------------------------------------------------

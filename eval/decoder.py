@@ -25,9 +25,9 @@ from typing import Optional, Protocol
 
 import torch
 
-from draftsmith.core import DraftsmithError
-from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS
-from draftsmith.core.sampling import SamplingConfig, process_logits
+from ..core import DraftsmithError
+from ..core.engine import NUM_SPECULATIVE_TOKENS
+from ..core.sampling import SamplingConfig, process_logits
 
 
 @dataclass

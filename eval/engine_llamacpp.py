@@ -27,17 +27,17 @@ from typing import Any, Optional
 
 import torch
 
-from draftsmith.core import DraftsmithError, llamacpp
-from draftsmith.core.artifacts import MANIFEST, read_manifest
-from draftsmith.data_gen.target import cache_root, smollm2_gguf_path
-from draftsmith.core.engine import served_folder
-from draftsmith.eval import metrics
-from draftsmith.eval.cost import llamacpp_settings
-from draftsmith.eval.engine_vllm import TARGET_ONLY, agreement, figures, fraction_equal, run_name
-from draftsmith.eval.proposers.ngram import NGRAM_ENGINES
-from draftsmith.eval.target_runner import divergence
-from draftsmith.heads.folders import FormatOptions
-from draftsmith.core.progress import progress
+from ..core import DraftsmithError, llamacpp
+from ..core.artifacts import MANIFEST, read_manifest
+from ..data_gen.target import cache_root, smollm2_gguf_path
+from ..core.engine import served_folder
+from . import metrics
+from .cost import llamacpp_settings
+from .engine_vllm import TARGET_ONLY, agreement, figures, fraction_equal, run_name
+from .proposers.ngram import NGRAM_ENGINES
+from .target_runner import divergence
+from ..heads.folders import FormatOptions
+from ..core.progress import progress
 
 # --------------------------------------------------------------------------- what llama-server loads
 

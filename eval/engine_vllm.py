@@ -22,12 +22,12 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
-from draftsmith.core import DraftsmithError, engine
-from draftsmith.core.engine import Engines
-from draftsmith.eval import metrics
-from draftsmith.eval.config import EvalConfig, check_engine_options
-from draftsmith.eval.cost import predicted_tau, serving_settings
-from draftsmith.eval.proposers.ngram import NGRAM_ENGINES
+from ..core import DraftsmithError, engine
+from ..core.engine import Engines
+from . import metrics
+from .config import EvalConfig, check_engine_options
+from .cost import predicted_tau, serving_settings
+from .proposers.ngram import NGRAM_ENGINES
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from typing import Iterable, Optional
 
 from datasets import load_from_disk
 
-from draftsmith.core import DraftsmithError
-from draftsmith.data_gen.prompts import from_openai, from_sharegpt, read_conversations, skipped_text, with_user_turn
-from draftsmith.data_gen.tokenize import apply_chat_template
+from ..core import DraftsmithError
+from ..data_gen.prompts import from_openai, from_sharegpt, read_conversations, skipped_text, with_user_turn
+from ..data_gen.tokenize import apply_chat_template
 
 SOURCES = ("question", "sharegpt", "openai", "holdout")
 

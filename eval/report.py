@@ -12,8 +12,8 @@ from typing import Optional
 import torch
 import transformers
 
-from draftsmith.core import __version__
-from draftsmith.core.artifacts import atomic_write_bytes, atomic_write_json
+from ..core import __version__
+from ..core.artifacts import atomic_write_bytes, atomic_write_json
 
 
 def software_versions() -> dict:

@@ -26,23 +26,23 @@ import torch
 from omegaconf import OmegaConf
 from transformers import PreTrainedModel
 
-from draftsmith.core import DraftsmithError, machine
-from draftsmith.core import artifacts as mf
-from draftsmith.data_gen.target import KNOWN_TARGETS, Target, load_target, resolved_target
-from draftsmith.core.engine import Engines
-from draftsmith.eval import cost, metrics
-from draftsmith.eval.config import EvalConfig, build_settings
-from draftsmith.eval.decoder import DraftingConfig, GenerationResult, Proposer, speculative_generate
-from draftsmith.eval.engine_llamacpp import llamacpp_report
-from draftsmith.eval.engine_vllm import engine_report, run_name
-from draftsmith.eval.prompts import EvalPrompt, load_prompts, render
-from draftsmith.eval.proposers.ngram import NGRAM_ENGINES, NgramFirstProposer, NgramProposer
-from draftsmith.eval.report import hardware, software_versions, summary_lines, write_report
-from draftsmith.eval.target_runner import TargetRunner, divergence
-from draftsmith.heads.folders import weights_sha256
-from draftsmith.core.methods import Method, method_for_folder, read_folder_config
-from draftsmith.core.progress import progress
-from draftsmith.core.sampling import SamplingConfig
+from ..core import DraftsmithError, machine
+from ..core import artifacts as mf
+from ..data_gen.target import KNOWN_TARGETS, Target, load_target, resolved_target
+from ..core.engine import Engines
+from . import cost, metrics
+from .config import EvalConfig, build_settings
+from .decoder import DraftingConfig, GenerationResult, Proposer, speculative_generate
+from .engine_llamacpp import llamacpp_report
+from .engine_vllm import engine_report, run_name
+from .prompts import EvalPrompt, load_prompts, render
+from .proposers.ngram import NGRAM_ENGINES, NgramFirstProposer, NgramProposer
+from .report import hardware, software_versions, summary_lines, write_report
+from .target_runner import TargetRunner, divergence
+from ..heads.folders import weights_sha256
+from ..core.methods import Method, method_for_folder, read_folder_config
+from ..core.progress import progress
+from ..core.sampling import SamplingConfig
 
 TARGET_ONLY = "target_only"
 BUILT_IN = ("ngram", "none")  # eval's own `head=` options, no trained drafter

@@ -26,7 +26,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
-from draftsmith.heads.kit import DraftVocabHead, attention_sizes, cached_attention, draft_config_from_target
+from .kit import DraftVocabHead, attention_sizes, cached_attention, draft_config_from_target
 
 
 def dflash_config_from_target(target_config, draft_vocab_size: int, num_layers: int, block_size: int,

@@ -12,12 +12,12 @@ from typing import Callable, Optional, TypeVar
 
 import torch
 
-from draftsmith.core import DraftsmithError
-from draftsmith.heads.block import DFlashHead, dflash_config_from_target
-from draftsmith.heads.folders import (CONFIG, EMBED, SPECULATORS_VERSION, WEIGHTS, layer_shapes, llama_layer_config,
+from ..core import DraftsmithError
+from .block import DFlashHead, dflash_config_from_target
+from .folders import (CONFIG, EMBED, SPECULATORS_VERSION, WEIGHTS, layer_shapes, llama_layer_config,
                                       read_checked_tensors, read_config_json, speculators_config,
                                       write_head_folder)
-from draftsmith.heads.kit import DEFAULT_ROPE_THETA
+from .kit import DEFAULT_ROPE_THETA
 
 DFLASH_SPECULATORS_ARCHITECTURE = "DFlashSpeculator"  # speculators' DFlash class; DSpark's config builds on it
 DFLASH_ARCHITECTURE = "DFlashDraftModel"  # vLLM's registry: qwen3_dflash.DFlashQwen3ForCausalLM

@@ -4,6 +4,6 @@ the same backbone plus two small heads, and a method imports the shared kits, ne
 
 from __future__ import annotations
 
-from draftsmith.heads.block import DFlashAttention, DFlashHead, DFlashLayer, block_mask, dflash_config_from_target
+from .block import DFlashAttention, DFlashHead, DFlashLayer, block_mask, dflash_config_from_target
 
 __all__ = ["DFlashAttention", "DFlashHead", "DFlashLayer", "block_mask", "dflash_config_from_target"]

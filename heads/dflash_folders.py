@@ -43,16 +43,16 @@ from typing import Optional
 
 import torch
 
-from draftsmith.heads.block_folders import (DFLASH_ARCHITECTURE, DFLASH_SPECULATORS_ARCHITECTURE,
+from .block_folders import (DFLASH_ARCHITECTURE, DFLASH_SPECULATORS_ARCHITECTURE,
                                             GGUF_CONVERTER_ARCHITECTURE, check_gguf_vocab, check_target_layers,
                                             dflash_config_json, dflash_tensor_shapes, read_dflash_folder,
                                             save_speculators_block, speculators_dflash_config_json)
-from draftsmith.heads.dflash import DFlashHead
-from draftsmith.heads.folders import (build_head, export_verifier, folder_hooks,
+from .dflash import DFlashHead
+from .folders import (build_head, export_verifier, folder_hooks,
                                       folder_tensors, gguf_writer, with_target_embeddings,
                                       write_head_folder)
-from draftsmith.core.layers import default_aux_layer_ids
-from draftsmith.core.method_hooks import FolderHooks
+from ..core.layers import default_aux_layer_ids
+from ..core.method_hooks import FolderHooks
 
 ARCHITECTURES = (DFLASH_ARCHITECTURE,)
 FOREIGN_ARCHITECTURES = {DFLASH_SPECULATORS_ARCHITECTURE: "the speculators format (vLLM loads it); give the DFlash "

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from draftsmith.core import DraftsmithError
-from draftsmith.core.trust import check_weights_file, remote_code_refused
-from draftsmith.heads.folders import WEIGHTS
+from ..core import DraftsmithError
+from ..core.trust import check_weights_file, remote_code_refused
+from .folders import WEIGHTS
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

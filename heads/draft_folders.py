@@ -14,11 +14,11 @@ from typing import Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftsmith.core.artifacts import atomic_folder, write_manifest
-from draftsmith.core.method_hooks import FolderHooks
-from draftsmith.core.trust import remote_code_refused
-from draftsmith.heads.draft import DRAFT_CODE_FIX, DraftLM, check_draft_weights
-from draftsmith.heads.folders import gguf_writer
+from ..core.artifacts import atomic_folder, write_manifest
+from ..core.method_hooks import FolderHooks
+from ..core.trust import remote_code_refused
+from .draft import DRAFT_CODE_FIX, DraftLM, check_draft_weights
+from .folders import gguf_writer
 
 
 def load_draft_folder(folder: str | Path, *, dtype: Optional[torch.dtype] = None, links_ok: bool = False):

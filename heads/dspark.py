@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 
-from draftsmith.heads.block import DFlashHead, dflash_config_from_target
+from .block import DFlashHead, dflash_config_from_target
 
 DEFAULT_MARKOV_RANK = 256  # DeepSpec's, speculators' and llama.cpp's examples
 

@@ -42,14 +42,14 @@ from typing import Optional
 
 import torch
 
-from draftsmith.core import DraftsmithError
-from draftsmith.core.layers import default_aux_layer_ids
-from draftsmith.core.method_hooks import FolderHooks
-from draftsmith.heads.block_folders import (GGUF_CONVERTER_ARCHITECTURE, check_gguf_vocab, check_target_layers,
+from ..core import DraftsmithError
+from ..core.layers import default_aux_layer_ids
+from ..core.method_hooks import FolderHooks
+from .block_folders import (GGUF_CONVERTER_ARCHITECTURE, check_gguf_vocab, check_target_layers,
                                             dflash_config_from_json, dflash_config_json, dflash_tensor_shapes,
                                             save_speculators_block, speculators_dflash_config_json)
-from draftsmith.heads.dspark import DSparkHead
-from draftsmith.heads.folders import (CONFIG, EMBED, WEIGHTS, build_head, export_verifier, folder_hooks,
+from .dspark import DSparkHead
+from .folders import (CONFIG, EMBED, WEIGHTS, build_head, export_verifier, folder_hooks,
                                       folder_tensors, gguf_writer, read_checked_tensors, read_config_json,
                                       speculators_config, with_target_embeddings, write_head_folder)
 

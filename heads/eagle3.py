@@ -31,7 +31,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from draftsmith.heads.kit import DraftVocabHead, FusedInputLayer, draft_config_from_target
+from .kit import DraftVocabHead, FusedInputLayer, draft_config_from_target
 
 # The EAGLE-3.1 norms (see the module docstring): config attributes and config.json keys of the same names
 NORMS = ("norm_before_fc", "fc_norm", "norm_output")

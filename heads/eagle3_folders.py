@@ -23,16 +23,16 @@ from typing import Optional
 
 import torch
 
-from draftsmith.core import DraftsmithError
-from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS
-from draftsmith.heads.eagle3 import NUM_AUX, Eagle3Head, norms_of
-from draftsmith.heads.folders import (CONFIG, EAGLE3_ARCHITECTURE, EMBED, WEIGHTS, build_head,
+from ..core import DraftsmithError
+from ..core.engine import NUM_SPECULATIVE_TOKENS
+from .eagle3 import NUM_AUX, Eagle3Head, norms_of
+from .folders import (CONFIG, EAGLE3_ARCHITECTURE, EMBED, WEIGHTS, build_head,
                                       config_from_json, eagle3_architecture_config, export_writer, folder_hooks,
                                       folder_tensors, gguf_writer, layer_shapes, llama_layer_config, read_checked_tensors,
                                       read_config_json, speculators_fields, speculators_writer,
                                       with_target_embeddings, write_head_folder)
-from draftsmith.core.layers import default_aux_layer_ids
-from draftsmith.core.method_hooks import FolderHooks
+from ..core.layers import default_aux_layer_ids
+from ..core.method_hooks import FolderHooks
 
 SPECULATORS_ARCHITECTURE = "Eagle3DraftModel"
 ARCHITECTURES = (EAGLE3_ARCHITECTURE,)

@@ -29,12 +29,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftsmith.core import DraftsmithError, llamacpp
-from draftsmith.core.artifacts import atomic_folder, atomic_write_json, claim_output, write_manifest
-from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS
-from draftsmith.core.layers import default_aux_layer_ids
-from draftsmith.core.trust import check_weights_file
-from draftsmith.heads.kit import DEFAULT_ROPE_THETA, draft_config_from_target
+from ..core import DraftsmithError, llamacpp
+from ..core.artifacts import atomic_folder, atomic_write_json, claim_output, write_manifest
+from ..core.engine import NUM_SPECULATIVE_TOKENS
+from ..core.layers import default_aux_layer_ids
+from ..core.trust import check_weights_file
+from .kit import DEFAULT_ROPE_THETA, draft_config_from_target
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM's and SGLang's architecture of EAGLE-style heads
 CONFIG = "config.json"

@@ -29,8 +29,8 @@ from torch import nn
 from transformers import Qwen2Config
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from draftsmith.core import DraftsmithError
-from draftsmith.heads.kit import Attention
+from ..core import DraftsmithError
+from .kit import Attention
 
 HIDDEN_INPUTS = ("pre_norm", "post_norm")  # the target's last hidden state before / after its final norm
 FUSIONS = ("hidden_first", "embedding_first")  # input_proj(cat(h, e)) (MiMo) | input_proj(cat(e, h)) (DeepSeek, Qwen)

@@ -31,12 +31,12 @@ from typing import Optional
 import torch
 from safetensors import safe_open
 
-from draftsmith.core import DraftsmithError
-from draftsmith.core.artifacts import atomic_folder, atomic_write_json, claim_output, write_manifest
-from draftsmith.core.method_hooks import FolderHooks
-from draftsmith.core.trust import check_weights_file
-from draftsmith.heads.folders import CONFIG, WEIGHTS, read_config_json, write_safetensors
-from draftsmith.heads.mtp import MTP_FIELDS, MTPDrafter, init_mtp_layer, mtp_config_from_target
+from ..core import DraftsmithError
+from ..core.artifacts import atomic_folder, atomic_write_json, claim_output, write_manifest
+from ..core.method_hooks import FolderHooks
+from ..core.trust import check_weights_file
+from .folders import CONFIG, WEIGHTS, read_config_json, write_safetensors
+from .mtp import MTP_FIELDS, MTPDrafter, init_mtp_layer, mtp_config_from_target
 
 MIMO_ARCHITECTURE = "MiMoForCausalLM"  # vLLM 0.32 maps it to MiMoMTP for method mtp
 MTP_ARCHITECTURE = "DraftsmithMTP"  # train's output: the MTP layers alone

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 
-from draftsmith.heads.kit import DraftVocabHead, FusedInputLayer, PlainLayer, draft_config_from_target
+from .kit import DraftVocabHead, FusedInputLayer, PlainLayer, draft_config_from_target
 
 
 def peagle_config_from_target(target_config, draft_vocab_size: int, num_layers: int, mask_token_id: int,

@@ -21,16 +21,16 @@ from typing import Optional
 
 import torch
 
-from draftsmith.core import DraftsmithError
-from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS
-from draftsmith.heads.folders import (CONFIG, EAGLE3_ARCHITECTURE, EMBED, WEIGHTS, build_head,
+from ..core import DraftsmithError
+from ..core.engine import NUM_SPECULATIVE_TOKENS
+from .folders import (CONFIG, EAGLE3_ARCHITECTURE, EMBED, WEIGHTS, build_head,
                                       config_from_json, eagle3_architecture_config, export_writer, folder_hooks,
                                       folder_tensors, layer_shapes, llama_layer_config, read_checked_tensors,
                                       read_config_json, speculators_fields, speculators_writer,
                                       with_target_embeddings, write_head_folder)
-from draftsmith.core.layers import default_aux_layer_ids
-from draftsmith.core.method_hooks import FolderHooks
-from draftsmith.heads.peagle import PEagleHead
+from ..core.layers import default_aux_layer_ids
+from ..core.method_hooks import FolderHooks
+from .peagle import PEagleHead
 
 PEAGLE_SPECULATORS_ARCHITECTURE = "PEagleDraftModel"
 MASK = "mask_hidden"

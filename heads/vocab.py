@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.core import DraftsmithError
+from ..core import DraftsmithError
 
 
 def count_tokens(input_ids_rows, loss_mask_rows, vocab_size: int) -> torch.Tensor:

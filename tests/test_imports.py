@@ -328,6 +328,80 @@ def test_a_method_imports_no_sibling_method():
     assert not found, "a method imports a sibling method: " + ", ".join(found)
 
 
+# Imports follow the files (issue 50 item 10, docs/layout.md "Imports"): inside a stage package (core/, data_gen/,
+# heads/, train/, eval/, configs/) every draftsmith import is relative, and in the root package (commands/) every
+# import of another root module; each relative import names a file of the tree, so an editor reading the folders
+# (not the installed link tree) follows it. The root's imports of the stages stay absolute: commands/ is the
+# package root mapped from a folder beside the stages, so no relative path from it reaches them.
+
+STAGE_FOLDERS = ("core", "data_gen", "heads", "train", "eval", "configs")
+
+
+def resolves_on_disk(path: Path, node: ast.ImportFrom) -> bool:
+    """The relative import `node` of file `path` names a module file, a package folder, or (`from . import x`) a
+    module or a name of the package's __init__.py found by walking the folders from `path`."""
+    base = path.parent
+    for _ in range(node.level - 1):
+        base = base.parent
+    parts = node.module.split(".") if node.module else []
+    target = base.joinpath(*parts)
+    if parts:
+        return target.with_suffix(".py").is_file() or (target / "__init__.py").is_file()
+    return (base / "__init__.py").is_file() and all(
+        (base / f"{a.name}.py").is_file() or a.name in (base / "__init__.py").read_text() for a in node.names)
+
+
+def import_style_findings(root: Path) -> list[str]:
+    """'file:line what' for every draftsmith import written otherwise than the files say."""
+    roots = {p.stem for p in (root / "commands").glob("*.py")}
+    found = []
+    for folder in ("commands",) + STAGE_FOLDERS:
+        for path in sorted((root / folder).rglob("*.py")):
+            where = path.relative_to(root)
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):  # `import draftsmith.x`: only the root's import of a stage
+                    found += [f"{where}:{node.lineno} import {a.name}: write a relative `from` import"
+                              for a in node.names if a.name.split(".")[0] == "draftsmith"
+                              and (folder != "commands" or a.name.split(".")[1:2] == [] or a.name.split(".")[1] in roots)]
+                if not isinstance(node, ast.ImportFrom):
+                    continue
+                if node.level:
+                    if not resolves_on_disk(path, node):
+                        found.append(f"{where}:{node.lineno} from {'.' * node.level}{node.module or ''}: no such file")
+                    continue
+                parts = (node.module or "").split(".")
+                if parts[0] != "draftsmith":
+                    continue
+                if folder != "commands" or len(parts) == 1 or parts[1] in roots:
+                    found.append(f"{where}:{node.lineno} from {node.module}: write it relative")
+    return found
+
+
+def test_imports_follow_the_files():
+    found = import_style_findings(ROOT)
+    assert not found, f"{len(found)} imports not written as the files are:\n" + "\n".join(found)
+
+
+def test_import_style_check_catches_an_absolute_and_a_dangling_import(tmp_path):
+    """The check's negative controls: an absolute import inside a stage package, an absolute import of a root module
+    from the root, and a relative import naming no file are each found; the root's absolute imports of a stage are not."""
+    for folder in ("commands",) + STAGE_FOLDERS:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "core" / "a.py").write_text("X = 1\n")
+    (tmp_path / "eval" / "b.py").write_text("from draftsmith.core.a import X\nfrom ..core.a import X\n"
+                                            "from ..core.missing import Y\n")
+    (tmp_path / "commands" / "cli.py").write_text("from draftsmith.core.a import X\nfrom draftsmith.hub import h\n"
+                                                  "from .hub import h\nimport draftsmith.core as core\n"
+                                                  "import draftsmith.hub\n")
+    (tmp_path / "commands" / "hub.py").write_text("h = 1\n")
+    found = import_style_findings(tmp_path)
+    assert found == ["commands/cli.py:2 from draftsmith.hub: write it relative",
+                     "commands/cli.py:5 import draftsmith.hub: write a relative `from` import",
+                     "eval/b.py:1 from draftsmith.core.a: write it relative",
+                     "eval/b.py:3 from ..core.missing: no such file"], found
+
+
 if __name__ == "__main__":
     import json
 

@@ -9,8 +9,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from draftsmith.heads.block import DFlashHead
-from draftsmith.train.features import target_prepare
+from ..heads.block import DFlashHead
+from .features import target_prepare
 
 
 def sample_anchors(valid: torch.Tensor, max_anchors: int,

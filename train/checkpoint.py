@@ -38,9 +38,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.core import DraftsmithError
-from draftsmith.core.artifacts import atomic_write_json, remove_written, replace_folder
-from draftsmith.core.trust import check_weights_file
+from ..core import DraftsmithError
+from ..core.artifacts import atomic_write_json, remove_written, replace_folder
+from ..core.trust import check_weights_file
 
 STATE = "train_state.json"
 

@@ -7,9 +7,9 @@ from typing import Any, ClassVar, Optional
 
 from omegaconf import MISSING
 
-from draftsmith.core import DraftsmithError, checks
-from draftsmith.data_gen.target import TargetConfig
-from draftsmith.core.procenv import launched_processes
+from ..core import DraftsmithError, checks
+from ..data_gen.target import TargetConfig
+from ..core.procenv import launched_processes
 
 DEEPSPEED_PRESETS = ("auto", "none", "zero1", "zero2", "zero3")
 PACKING_METHODS = ("eagle3",)  # the methods whose step reads packed rows (position_ids, document_ids)

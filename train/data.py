@@ -26,10 +26,10 @@ from typing import Generator, Iterable, Iterator, Optional
 import numpy as np
 import torch
 
-from draftsmith.core import DraftsmithError
-from draftsmith.data_gen.capture import shard_problem
-from draftsmith.data_gen.dataset import HiddenStates, TokenRows, load_tokenized
-from draftsmith.data_gen.topk import TopkLogits
+from ..core import DraftsmithError
+from ..data_gen.capture import shard_problem
+from ..data_gen.dataset import HiddenStates, TokenRows, load_tokenized
+from ..data_gen.topk import TopkLogits
 
 
 @dataclass

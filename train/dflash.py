@@ -45,12 +45,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.core import DraftsmithError, checks
-from draftsmith.core.method_hooks import TrainingHooks
-from draftsmith.heads.dflash import DFlashHead, block_mask, dflash_config_from_target
-from draftsmith.train.block import block_forward, block_prepare, counted_slots, slot_stats
-from draftsmith.train.features import TargetSide, vocab_map_for
-from draftsmith.train.stats import CHAIN_STATS, STEP_STATS, summarize_steps
+from ..core import DraftsmithError, checks
+from ..core.method_hooks import TrainingHooks
+from ..heads.dflash import DFlashHead, block_mask, dflash_config_from_target
+from .block import block_forward, block_prepare, counted_slots, slot_stats
+from .features import TargetSide, vocab_map_for
+from .stats import CHAIN_STATS, STEP_STATS, summarize_steps
 
 STATS = STEP_STATS + CHAIN_STATS
 OFFLINE_DATA = "hidden_states"  # what mode=offline reads from a data-gen folder: the target's features (its 3 layers)

@@ -27,10 +27,10 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from draftsmith.core import DraftsmithError, checks
-from draftsmith.core.method_hooks import TrainingHooks
-from draftsmith.heads.draft import LORA_TARGETS, DraftLM, draft_from_model, draft_from_target, draft_scratch, pick_layers
-from draftsmith.train import losses
+from ..core import DraftsmithError, checks
+from ..core.method_hooks import TrainingHooks
+from ..heads.draft import LORA_TARGETS, DraftLM, draft_from_model, draft_from_target, draft_scratch, pick_layers
+from . import losses
 
 
 @dataclass

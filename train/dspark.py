@@ -41,15 +41,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.core import DraftsmithError, checks
-from draftsmith.core.method_hooks import TrainingHooks
-from draftsmith.heads.block import block_mask
-from draftsmith.heads.block_folders import DFLASH_ARCHITECTURE, read_dflash_folder
-from draftsmith.heads.dspark import DEFAULT_MARKOV_RANK, DSparkHead, dspark_config_from_target
-from draftsmith.heads.folders import EMBED, read_config_json
-from draftsmith.train.block import block_forward, block_prepare, counted_slots, slot_stats
-from draftsmith.train.features import TargetSide, vocab_map_for
-from draftsmith.train.stats import CHAIN_STATS, STEP_STATS, summarize_steps
+from ..core import DraftsmithError, checks
+from ..core.method_hooks import TrainingHooks
+from ..heads.block import block_mask
+from ..heads.block_folders import DFLASH_ARCHITECTURE, read_dflash_folder
+from ..heads.dspark import DEFAULT_MARKOV_RANK, DSparkHead, dspark_config_from_target
+from ..heads.folders import EMBED, read_config_json
+from .block import block_forward, block_prepare, counted_slots, slot_stats
+from .features import TargetSide, vocab_map_for
+from .stats import CHAIN_STATS, STEP_STATS, summarize_steps
 
 # the confidence's sums per block position: its BCE, its mean, its absolute error against alpha (over metric_count)
 CONFIDENCE_STATS = ("confidence_bce_sum", "confidence_sum", "confidence_error_sum")

@@ -58,11 +58,11 @@ from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import rotate_half
 
-from draftsmith.core import checks
-from draftsmith.core.method_hooks import TrainingHooks
-from draftsmith.heads.eagle3 import NORMS, Eagle3Head, eagle3_config_from_target
-from draftsmith.train.features import TargetSide, target_prepare, vocab_map_for
-from draftsmith.train.stats import CHAIN_STATS, STEP_STATS, summarize_steps
+from ..core import checks
+from ..core.method_hooks import TrainingHooks
+from ..heads.eagle3 import NORMS, Eagle3Head, eagle3_config_from_target
+from .features import TargetSide, target_prepare, vocab_map_for
+from .stats import CHAIN_STATS, STEP_STATS, summarize_steps
 
 
 @dataclass

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.heads.vocab import build_vocab_map, count_tokens
+from ..heads.vocab import build_vocab_map, count_tokens
 
 
 @dataclass

@@ -34,14 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.core import DraftsmithError, checks
-from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS, served_folder
-from draftsmith.core.method_hooks import TrainingHooks
-from draftsmith.heads.kit import ConcatKVCache
-from draftsmith.heads.mtp import MTPDrafter, init_mtp_layer, mtp_config_from_target
-from draftsmith.heads.mtp_folders import ENGINE_INPUTS, MIMO_ARCHITECTURE, claims, load_mtp
-from draftsmith.train.features import TargetSide, target_prepare
-from draftsmith.train.stats import CHAIN_STATS, STEP_STATS, summarize_steps
+from ..core import DraftsmithError, checks
+from ..core.engine import NUM_SPECULATIVE_TOKENS, served_folder
+from ..core.method_hooks import TrainingHooks
+from ..heads.kit import ConcatKVCache
+from ..heads.mtp import MTPDrafter, init_mtp_layer, mtp_config_from_target
+from ..heads.mtp_folders import ENGINE_INPUTS, MIMO_ARCHITECTURE, claims, load_mtp
+from .features import TargetSide, target_prepare
+from .stats import CHAIN_STATS, STEP_STATS, summarize_steps
 
 STATS = STEP_STATS + CHAIN_STATS
 OFFLINE_DATA = "hidden_states"  # what mode=offline reads from a data-gen folder: hidden_states[N] (aux_layer_ids)

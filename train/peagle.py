@@ -37,11 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.core import DraftsmithError, checks
-from draftsmith.core.method_hooks import TrainingHooks
-from draftsmith.heads.peagle import PEagleHead, peagle_config_from_target, slot_mask
-from draftsmith.train.features import TargetSide, target_prepare, vocab_map_for
-from draftsmith.train.stats import STEP_STATS, summarize_steps
+from ..core import DraftsmithError, checks
+from ..core.method_hooks import TrainingHooks
+from ..heads.peagle import PEagleHead, peagle_config_from_target, slot_mask
+from .features import TargetSide, target_prepare, vocab_map_for
+from .stats import STEP_STATS, summarize_steps
 
 # Columns of the per-depth statistics tensor `peagle_loss` returns (train/stats.py): no chain columns, as the slots
 # of one anchor are sampled, not all there.

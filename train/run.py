@@ -27,15 +27,15 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from draftsmith.core import DraftsmithError, distributed, machine
-from draftsmith.core.artifacts import (OWNER, atomic_write_bytes, atomic_write_json, claim_output, clean_temporaries,
+from ..core import DraftsmithError, distributed, machine
+from ..core.artifacts import (OWNER, atomic_write_bytes, atomic_write_json, claim_output, clean_temporaries,
                                   is_empty, owner_of, prepare_output, refuse_links, remove_written)
-from draftsmith.data_gen.target import load_target, resolved_target
-from draftsmith.core.methods import Method, method_for_config
-from draftsmith.train import checkpoint as ckpt
-from draftsmith.train.config import TrainConfig
-from draftsmith.train.data import load_data
-from draftsmith.train.trainer import (Logger, TrainerConfig, autocast, evaluate, init_distributed,
+from ..data_gen.target import load_target, resolved_target
+from ..core.methods import Method, method_for_config
+from . import checkpoint as ckpt
+from .config import TrainConfig
+from .data import load_data
+from .trainer import (Logger, TrainerConfig, autocast, evaluate, init_distributed,
                                       load_checkpoint, resolve_deepspeed, resolve_precision, train_loop,
                                       wrap_for_training)
 

@@ -31,14 +31,14 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
 
-from draftsmith.core import DraftsmithError, distributed, machine
-from draftsmith.core.locks import stale_extension_locks
-from draftsmith.core.procenv import launched_processes
-from draftsmith.core.progress import progress
-from draftsmith.train import checkpoint as ckpt
-from draftsmith.train.config import TrainConfig
-from draftsmith.train.data import TrainData, collate, micro_batch_plan, prefetch
-from draftsmith.train.optimizers import build_optimizer
+from ..core import DraftsmithError, distributed, machine
+from ..core.locks import stale_extension_locks
+from ..core.procenv import launched_processes
+from ..core.progress import progress
+from . import checkpoint as ckpt
+from .config import TrainConfig
+from .data import TrainData, collate, micro_batch_plan, prefetch
+from .optimizers import build_optimizer
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.eval.proposers.kit import BlockProposer
-from draftsmith.heads.dflash import DFlashHead
+from .kit import BlockProposer
+from ...heads.dflash import DFlashHead
 
 
 class DFlashProposer(BlockProposer):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.core import DraftsmithError
-from draftsmith.eval.proposers.kit import ModelProposer
-from draftsmith.eval.target_runner import TargetRunner
+from ...core import DraftsmithError
+from .kit import ModelProposer
+from ..target_runner import TargetRunner
 
 
 class DraftModelProposer(ModelProposer):

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.core.sampling import SamplingConfig, process_logits
-from draftsmith.eval.decoder import Draft, DraftingConfig
-from draftsmith.eval.proposers.kit import BlockProposer
-from draftsmith.heads.dspark import DSparkHead
+from ...core.sampling import SamplingConfig, process_logits
+from ..decoder import Draft, DraftingConfig
+from .kit import BlockProposer
+from ...heads.dspark import DSparkHead
 
 
 class DSparkProposer(BlockProposer):

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.core import DraftsmithError
-from draftsmith.eval.proposers.kit import ModelProposer, eval_head
-from draftsmith.heads.eagle3 import Eagle3Head
-from draftsmith.heads.kit import StaticKVCache
+from ...core import DraftsmithError
+from .kit import ModelProposer, eval_head
+from ...heads.eagle3 import Eagle3Head
+from ...heads.kit import StaticKVCache
 
 
 class Eagle3Proposer(ModelProposer):

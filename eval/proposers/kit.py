@@ -26,10 +26,10 @@ from typing import Callable, Optional
 
 import torch
 
-from draftsmith.core import DraftsmithError
-from draftsmith.eval.decoder import Draft, DraftingConfig
-from draftsmith.heads.kit import StaticKVCache
-from draftsmith.core.sampling import SamplingConfig, process_logits
+from ...core import DraftsmithError
+from ..decoder import Draft, DraftingConfig
+from ...heads.kit import StaticKVCache
+from ...core.sampling import SamplingConfig, process_logits
 
 
 class ModelProposer:

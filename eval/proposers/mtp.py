@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.core import DraftsmithError
-from draftsmith.eval.proposers.kit import ModelProposer, eval_head
-from draftsmith.heads.kit import StaticKVCache
-from draftsmith.heads.mtp import MTPDrafter
+from ...core import DraftsmithError
+from .kit import ModelProposer, eval_head
+from ...heads.kit import StaticKVCache
+from ...heads.mtp import MTPDrafter
 
 
 class MTPProposer(ModelProposer):

@@ -3,10 +3,10 @@ from the context when it has a match, the head's draft otherwise."""
 
 from __future__ import annotations
 
-from draftsmith.core import DraftsmithError
-from draftsmith.core.engine import Engines
-from draftsmith.eval.decoder import Draft, DraftingConfig
-from draftsmith.core.sampling import SamplingConfig
+from ...core import DraftsmithError
+from ...core.engine import Engines
+from ..decoder import Draft, DraftingConfig
+from ...core.sampling import SamplingConfig
 
 # prompt lookup in the engines (eval's own method: no folder, no row in draftsmith.core.methods)
 NGRAM_ENGINES = Engines(vllm="ngram", sglang="NGRAM", draft_folder=False, llamacpp="ngram-simple")

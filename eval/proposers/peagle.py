@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.core import DraftsmithError
-from draftsmith.eval.proposers.kit import OneForwardProposer
-from draftsmith.heads.peagle import PEagleHead
+from ...core import DraftsmithError
+from .kit import OneForwardProposer
+from ...heads.peagle import PEagleHead
 
 
 class PEagleProposer(OneForwardProposer):
