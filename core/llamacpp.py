@@ -7,7 +7,8 @@
     llamacpp_home()     the cached build's folder (src/, build/bin/llama-server)
     llamacpp_missing()  None when llama-server and the converter are there, else the sentence that says why not
     convert(...)        an HF folder -> one GGUF file, with the vendored converter (written to a temporary name)
-    OUTTYPES, OUTTYPE   the drafter GGUF's weight types draftsmith writes (`gguf_outtype`) and their default
+    OUTTYPES, OUTTYPE   the drafter GGUF's weight types draftsmith writes (`gguf_outtype`; eval measures each of its
+                        `gguf_outtypes`) and their default
     Server              one llama-server on a free loopback port: started, checked, always stopped (its command
                         line from server_command; the speculative flags are eval/cost.py `llamacpp_settings`')
 
@@ -75,7 +76,8 @@ def _require() -> None:
 
 # --------------------------------------------------------------------------- GGUF conversion
 
-# A drafter's GGUF weight type (the converter's --outtype): export's, publish's and eval's `gguf_outtype`
+# A drafter's GGUF weight type (the converter's --outtype): export's and publish's `gguf_outtype`; eval measures
+# every type of its `gguf_outtypes` side by side, [OUTTYPE] by default
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 OUTTYPE = "f32"  # the default until a type is measured faster on this build's machine kind (docs/llamacpp.md)
 

@@ -96,9 +96,11 @@ class EvalConfig:
     # engine=llamacpp: the target llama-server loads. same: its own GGUF (e.g. the embedded Q4_1 file; llama.cpp
     # computes with the quantised blocks); f32 | bf16: the weights draftsmith computes with, converted
     llamacpp_target: str = "same"
-    # engine=llamacpp: the head's GGUF weight type, export's gguf_outtype (llama.cpp's --outtype): f32 | f16 | bf16 |
-    # q8_0; the τ agreement with the built-in decoder is a check only at the converted target's own type (f32 | bf16)
-    gguf_outtype: str = llamacpp.OUTTYPE
+    # engine=llamacpp: the head's GGUF weight types measured side by side on the same prompts, each written as export's
+    # gguf_outtype=<t> (llama.cpp's --outtype): f32 | f16 | bf16 | q8_0, e.g. [f32,f16,bf16,q8_0]; one type (the
+    # default: export's) keeps the runs' names free of it. The τ agreement with the built-in decoder is a check only
+    # at the converted target's own type (f32 | bf16)
+    gguf_outtypes: list[str] = field(default_factory=lambda: [llamacpp.OUTTYPE])
 
     def __post_init__(self):
         if not self.head:
@@ -111,7 +113,7 @@ class EvalConfig:
         checks.at_least("near_tie_eps", self.near_tie_eps, 0)
         checks.one_of("engine", self.engine, ENGINES)
         checks.one_of("llamacpp_target", self.llamacpp_target, LLAMACPP_TARGETS)
-        checks.one_of("gguf_outtype", self.gguf_outtype, llamacpp.OUTTYPES)
+        check_gguf_outtypes(self.gguf_outtypes)
         checks.one_of("ngram_match", self.ngram_match, NGRAM_MATCHES)
         check_engine_options(self)
         if self.ngram_first and self.head in ("ngram", "none"):
@@ -136,6 +138,18 @@ def check_options(cfg) -> None:
         if b not in BASELINES:
             raise DraftsmithError(f"baselines has {b!r}; choose from {', '.join(BASELINES)}.")
     SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)  # checks its own ranges
+
+
+def check_gguf_outtypes(outtypes: list[str]) -> None:
+    """engine=llamacpp's head GGUF types: at least one, each one of llama.cpp's OUTTYPES, each once (a run per type)."""
+    choices = ", ".join(llamacpp.OUTTYPES)
+    if not outtypes:
+        raise DraftsmithError(f"gguf_outtypes is empty: name at least one of {choices}.")
+    for outtype in outtypes:
+        if outtype not in llamacpp.OUTTYPES:
+            raise DraftsmithError(f"gguf_outtypes has {outtype!r}; choose from {choices}.")
+        if outtypes.count(outtype) > 1:
+            raise DraftsmithError(f"gguf_outtypes has {outtype!r} twice; each type is measured once.")
 
 
 def check_engine_options(cfg) -> None:

@@ -4,14 +4,16 @@ decoder's.
 llama.cpp is the engine CPU users serve GGUF models in (draftsmith.core.llamacpp builds and runs it). This module
 decodes an eval run's prompts there, one llama-server per run, and returns the report's `llamacpp` section:
 
-    llamacpp_runs     target-only, the head at K (and every sweep_k), n-gram lookup (ngram-simple), and head +
-                      n-gram (llama.cpp's mixing: the n-gram draft when the context has a match, else the head's)
+    llamacpp_runs     target-only and n-gram lookup (ngram-simple) once; for each of eval's gguf_outtypes the
+                      head at K (and every sweep_k) and head + n-gram (llama.cpp's mixing: the n-gram draft when
+                      the context has a match, else the head's)
     target_gguf       what llama-server loads as the target: the target's own GGUF (the Q4_1 file the head was
                       trained on), or with llamacpp_target=f32|bf16 its dequantised weights converted
-    head_gguf         the head written by `export format=gguf gguf_outtype=<eval's gguf_outtype>` into a temporary
-                      folder
+    head_gguf         the head written by `export format=gguf gguf_outtype=<t>` into a temporary folder, once per
+                      out type t
     llamacpp_report   decode every run, then per run: greedy output, τ and per-position acceptance from
-                      llama.cpp's counters, tokens/s from its clock, speedup against its target-only run
+                      llama.cpp's counters, tokens/s from its clock, speedup against its target-only run; the
+                      fastest run named
 
 llama.cpp counts as vLLM does (draftsmith.core.llamacpp), so the built-in decoder's figures beside its are
 counted by eval/engine_vllm.py's `builtin_counts` and compared by its `agreement`. llama.cpp gives no
@@ -72,13 +74,21 @@ def head_gguf(drafter, write_gguf, target, folder: Path, outtype: str) -> Path:
 
 # --------------------------------------------------------------------------- the runs
 
+def outtype_name(method: str, outtype: str, outtypes: list[str]) -> str:
+    """A head run's drafter as the report names it: `<method>-<out type>` when several GGUF types are measured side
+    by side, the method alone when one is (the names reports had before gguf_outtypes)."""
+    return method if len(outtypes) == 1 else f"{method}-{outtype}"
+
+
 def llamacpp_runs(cfg, drafter, num_speculative_tokens: int) -> list[dict]:
-    """Each run's name, K and llama-server's speculative flags (eval/cost.py `llamacpp_settings`)."""
-    runs = [{"name": TARGET_ONLY, "flags": [], "draft": False}]
+    """Each run's name, K, head GGUF type (`gguf_outtype`, None without a head), the built-in decoder's run it is
+    compared with (`builtin`) and llama-server's speculative flags (eval/cost.py `llamacpp_settings`): target-only
+    and n-gram once, the head at K and every sweep_k and head + n-gram once per `cfg.gguf_outtypes`."""
+    runs = [{"name": TARGET_ONLY, "flags": [], "draft": False, "gguf_outtype": None}]
     method = drafter.method.removeprefix("ngram+")
     if drafter.make is None:
         return runs
-    ngram = {"name": "ngram", "k": num_speculative_tokens, "draft": False,
+    ngram = {"name": "ngram", "builtin": "ngram", "k": num_speculative_tokens, "draft": False, "gguf_outtype": None,
              "flags": llamacpp_settings("ngram", NGRAM_ENGINES, num_speculative_tokens, cfg.ngram_max)["flags"]}
     if method == "ngram":
         return runs + [ngram]
@@ -86,15 +96,20 @@ def llamacpp_runs(cfg, drafter, num_speculative_tokens: int) -> list[dict]:
         note = llamacpp_settings(method, drafter.engines, num_speculative_tokens)["note"]
         raise DraftsmithError(f"engine=llamacpp: {note}")
     p_min = cfg.drafting.stop_below  # llama.cpp's --spec-draft-p-min: the same rule (eval/cost.py)
-    for swept in dict.fromkeys([num_speculative_tokens, *cfg.sweep_k]):
-        runs.append({"name": run_name(method, swept, num_speculative_tokens), "k": swept, "draft": True,
-                     "flags": llamacpp_settings(method, drafter.engines, swept, cfg.ngram_max,
-                                                stop_below=p_min)["flags"]})
+    outtypes = cfg.gguf_outtypes
+    for outtype in outtypes:
+        for swept in dict.fromkeys([num_speculative_tokens, *cfg.sweep_k]):
+            runs.append({"name": run_name(outtype_name(method, outtype, outtypes), swept, num_speculative_tokens),
+                         "builtin": run_name(method, swept, num_speculative_tokens), "k": swept, "draft": True,
+                         "gguf_outtype": outtype,
+                         "flags": llamacpp_settings(method, drafter.engines, swept, cfg.ngram_max,
+                                                    stop_below=p_min)["flags"]})
     runs.append(ngram)
-    runs.append({"name": f"ngram+{method}", "k": num_speculative_tokens, "draft": True,
-                 "flags": llamacpp_settings(method, drafter.engines, num_speculative_tokens, cfg.ngram_max,
-                                            ngram_first=True,
-                                            stop_below=p_min)["flags"]})
+    for outtype in outtypes:
+        runs.append({"name": f"ngram+{outtype_name(method, outtype, outtypes)}", "builtin": f"ngram+{method}",
+                     "k": num_speculative_tokens, "draft": True, "gguf_outtype": outtype,
+                     "flags": llamacpp_settings(method, drafter.engines, num_speculative_tokens, cfg.ngram_max,
+                                                ngram_first=True, stop_below=p_min)["flags"]})
     return runs
 
 
@@ -145,25 +160,27 @@ def llamacpp_report(setup, drafter, samples: dict[str, list[metrics.Sample]], re
     model = target_gguf(setup.target, how)
     ctx = max(len(p) for p in prompts) + cfg.max_new_tokens + max([r.get("k") or 0 for r in runs]) + 64
     threads = torch.get_num_threads()  # the built-in decoder's: the same cores on both sides
+    outtypes = list(dict.fromkeys(r["gguf_outtype"] for r in runs if r["draft"]))
     results = {}
     with tempfile.TemporaryDirectory(prefix="draftsmith-llamacpp-") as tmp:
-        draft = None
-        if any(r["draft"] for r in runs):
-            if write_gguf is None:
-                raise DraftsmithError(f"engine=llamacpp: {drafter.method} heads have no GGUF format.")
-            draft = head_gguf(drafter, write_gguf, setup.target, Path(tmp) / "head", cfg.gguf_outtype)
+        if outtypes and write_gguf is None:
+            raise DraftsmithError(f"engine=llamacpp: {drafter.method} heads have no GGUF format.")
+        # each type written once, as `export format=gguf gguf_outtype=<type>` writes it; every run of that type loads it
+        drafts = {t: head_gguf(drafter, write_gguf, setup.target, Path(tmp) / f"head-{t}", t) for t in outtypes}
         for run in progress(runs, desc="llama.cpp", unit="run", enabled=cfg.progress):
-            results[run["name"]] = decode_run(model, draft, run, prompts, cfg.max_new_tokens, cfg.repeats,
-                                              cfg.warmup_prompts, threads, ctx)
+            results[run["name"]] = decode_run(model, drafts.get(run["gguf_outtype"]), run, prompts,
+                                              cfg.max_new_tokens, cfg.repeats, cfg.warmup_prompts, threads, ctx)
     engine_base = results[TARGET_ONLY]
     base_tps = tps(engine_base)
     converted = model.parent.name == "llamacpp-targets"
+    # the target converted from the weights draftsmith computes with, and a head (if any) at that same type: the τ
+    # agreement is expected to hold; a GGUF served as it is (Q4_1), or a head at another type (q8_0 rounds its
+    # weights), computes another function, and its agreement is a reading, not a check. Per run; the section's is
+    # the evaluated drafter's run's
+    own_type = "bf16" if how == "bf16" else "f32"
     section = {"name": "llamacpp", "version": f"{llamacpp.VERSION}-{llamacpp.COMMIT}", "target": str(model),
-               "target_weights": how, "head_gguf_outtype": cfg.gguf_outtype, "threads": threads,
-               # the target converted from the weights draftsmith computes with and the head at that same type: the τ
-               # agreement is expected to hold; a GGUF served as it is (Q4_1), or a head at another type (q8_0 rounds
-               # its weights), computes another function, and its agreement is a reading, not a check
-               "same_function_as_builtin": converted and cfg.gguf_outtype == ("bf16" if how == "bf16" else "f32"),
+               "target_weights": how, "head_gguf_outtypes": outtypes, "threads": threads,
+               "same_function_as_builtin": converted,
                "counting": "llama-server's Prometheus counters per request: tau = 1 + accepted / drafts (a "
                            "verification with a draft is one draft), per-position = accepted at i / drafts; the "
                            "built-in decoder's figures beside them are counted the same way",
@@ -176,7 +193,7 @@ def llamacpp_report(setup, drafter, samples: dict[str, list[metrics.Sample]], re
     for run in runs[1:]:
         got = results[run["name"]]
         fig = figures(got["counters"])
-        r = {"k": run["k"], "flags": run["flags"], "tau": fig["tau"],
+        r = {"k": run["k"], "gguf_outtype": run["gguf_outtype"], "flags": run["flags"], "tau": fig["tau"],
              "per_position_acceptance": (fig["per_position_acceptance"] + [0.0] * run["k"])[: run["k"]],
              "counters": got["counters"], "speculative_tokens_per_s": tps(got),
              "speedup": metrics.speedup(tps(got), base_tps),
@@ -184,15 +201,20 @@ def llamacpp_report(setup, drafter, samples: dict[str, list[metrics.Sample]], re
              "greedy_identical_to_builtin_target_only": fraction_equal(got["tokens"], [s.tokens for s in base]),
              "divergences": divergences(setup.runner, prompts, engine_base["tokens"], got["tokens"])}
         r["greedy_identical_up_to_near_ties"] = up_to_near_ties(r["divergences"], len(prompts), cfg.near_tie_eps)
-        builtin = samples.get(run["name"])
+        r["same_function_as_builtin"] = converted and run["gguf_outtype"] in (None, own_type)
+        builtin = samples.get(run["builtin"])  # the same drafter and K in the built-in decoder, whatever the type
         if builtin is not None:
             r["builtin_speedup"] = metrics.compare(builtin, base)["speedup"]
             if not run["name"].startswith("ngram"):  # llama.cpp's ngram-simple matches one length, ours several
                 r["agreement"] = agreement_where_identical(builtin, got, engine_base["tokens"], run["k"])
         section["runs"][run["name"]] = r
-    main = section["runs"].get(drafter.method)  # the evaluated drafter's own run (ngram+<m>: the mixed one)
+    if section["runs"]:
+        section["fastest"] = fastest(section["runs"])
+    # the evaluated drafter's own run (ngram+<m>: the mixed one) at K, at the first out type
+    main = next((section["runs"][run["name"]] for run in runs[1:] if run["builtin"] == drafter.method), None)
     if main is not None:
-        section.update({key: main[key] for key in ("tau", "per_position_acceptance", "speedup") if key in main})
+        section.update({key: main[key] for key in ("tau", "per_position_acceptance", "speedup",
+                                                   "same_function_as_builtin") if key in main})
         if "agreement" in main:
             section["agreement"] = main["agreement"]
     out: dict[str, Any] = {"llamacpp": section}
@@ -236,12 +258,18 @@ def tps(run: dict) -> float:
     return metrics.tokens_per_s(sum(len(t) for t in run["tokens"]), sum(run["seconds"]))
 
 
+def fastest(runs: dict[str, dict]) -> str:
+    """The run of the highest speedup against llama.cpp's target-only run."""
+    return max(runs, key=lambda name: runs[name]["speedup"])
+
+
 def recommendation(section: dict, drafter, cfg) -> Optional[dict]:
-    """llama.cpp's measured best of every speculative run (the head at each K, n-gram, head + n-gram), with its
-    llama-server command."""
+    """llama.cpp's measured best of every speculative run (the head at each K and GGUF type, n-gram, head +
+    n-gram), with its llama-server command and, for a head, the export command that writes its GGUF type."""
     if not section["runs"]:
         return None
-    name, best = max(section["runs"].items(), key=lambda kv: kv[1]["speedup"])
+    name = fastest(section["runs"])
+    best = section["runs"][name]
     method = drafter.method.removeprefix("ngram+")
     mixed = name.startswith("ngram+")
     engines = NGRAM_ENGINES if name == "ngram" else drafter.engines
@@ -252,7 +280,7 @@ def recommendation(section: dict, drafter, cfg) -> Optional[dict]:
         if "<head>.gguf" in settings["command"]:
             out = f"{drafter.info.get('path')}-gguf"
             settings["export_command"] = (f"draftsmith export head={drafter.info.get('path')} format=gguf "
-                                          f"gguf_outtype={cfg.gguf_outtype} out={out}")
+                                          f"gguf_outtype={best['gguf_outtype']} out={out}")
             settings["command"] = settings["command"].replace("<head>.gguf", f"{out}/{method}.gguf")
     return {"k": best["k"], "mode": "chain", "drafter": name, "measured_speedup": best["speedup"],
             "measured_by": "llamacpp", "predicted_speedup": None, "faster_than_target_only": best["speedup"] > 1.0,

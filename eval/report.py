@@ -195,11 +195,13 @@ def agreement_cells(run: dict, checked: bool = True) -> tuple[str, str, str, str
 
 
 def llamacpp_lines(report: dict) -> list[str]:
-    """engine=llamacpp: the same prompts in llama-server, each run beside the built-in decoder's figures."""
+    """engine=llamacpp: the same prompts in llama-server, one row per drafter × head GGUF type × K beside the
+    built-in decoder's figures, and the fastest named."""
     e = report.get("llamacpp")
     if not e:
         return []
-    head = f", head GGUF {e['head_gguf_outtype']}" if e.get("head_gguf_outtype") else ""  # (older reports: none)
+    types = e.get("head_gguf_outtypes")  # none without a head
+    head = f", head GGUF {' / '.join(types)}" if types else ""
     lines = ["", f"## llama.cpp {e['version']} (the same prompts, engine=llamacpp)", "",
              f"- target {e['target']} ({e['target_weights']}){head}, greedy, one slot, {e['threads']} threads; "
              f"target-only "
@@ -209,24 +211,39 @@ def llamacpp_lines(report: dict) -> list[str]:
              f"- greedy identical: to llama.cpp's target-only output; up to near-ties: or the first divergence is "
              f"where the target's top-2 logits are closer than {e.get('near_tie_eps')} (llama.cpp's kernels sum "
              "in another order over K+1 rows than over one); τ is compared over the identical prompts", "",
-             "| run | tau llama.cpp | tau built-in | per-position llama.cpp | per-position built-in | equal (tol) "
-             "| greedy identical | up to near-ties | speedup llama.cpp | speedup built-in |",
-             "|---|---:|---:|---|---|---|---:|---:|---:|---:|"]
+             "| run | head GGUF | K | tau llama.cpp | tau built-in | per-position llama.cpp | per-position built-in "
+             "| equal (tol) | greedy identical | up to near-ties | tokens/s llama.cpp | speedup llama.cpp "
+             "| speedup built-in |",
+             "|---|---|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|"]
     for name, r in e["runs"].items():
-        tb, ours, eq, sb = agreement_cells(r, checked=e.get("same_function_as_builtin", True))
-        lines.append(f"| {name} | {_f(r['tau'], 3)} | {tb} | "
+        tb, ours, eq, sb = agreement_cells(r, checked=same_function(e, r))
+        lines.append(f"| {name} | {r.get('gguf_outtype') or '-'} | {r.get('k', '-')} | {_f(r['tau'], 3)} | {tb} | "
                      f"{' / '.join(_f(x, 3) for x in r['per_position_acceptance'])} | {ours} | {eq} | "
                      f"{_f(r['greedy_identical_to_engine_target_only'])} | "
-                     f"{_opt(r.get('greedy_identical_up_to_near_ties'))} | {_f(r['speedup'])}x | {sb} |")
-    found = e.get("target_only_divergences", []) + [d | {"run": n} for n, r in e["runs"].items()
-                                                   for d in r.get("divergences", [])]
+                     f"{_opt(r.get('greedy_identical_up_to_near_ties'))} | "
+                     f"{_opt(r.get('speculative_tokens_per_s'))} | {_f(r['speedup'])}x | {sb} |")
+    if e.get("fastest"):
+        name, best = e["fastest"], e["runs"][e["fastest"]]
+        figures = f"{_f(best['speculative_tokens_per_s'], 1)} tok/s, {_f(best['speedup'])}x target-only"
+        lines += ["", f"Fastest in llama.cpp: {name} ({figures})." if best["speedup"] > 1.0 else
+                      f"Fastest in llama.cpp: none is faster than target-only; {name} is the least slow ({figures})."]
+    found = [d | {"expected": not e.get("same_function_as_builtin", True)}
+             for d in e.get("target_only_divergences", [])]
+    found += [d | {"run": n, "expected": not same_function(e, r)} for n, r in e["runs"].items()
+              for d in r.get("divergences", [])]
     if found:
-        expected = "" if e.get("same_function_as_builtin", True) else " (a quantised target or head: expected)"
-        lines += ["", f"Where an output leaves its target-only reference{expected}:", ""]
+        lines += ["", "Where an output leaves its target-only reference:", ""]
     for d in found:
+        expected = " (a quantised target or head: expected)" if d["expected"] else ""
         lines.append(f"- {d.get('run', 'target-only vs built-in')}: prompt {d['prompt']} leaves at token "
-                     f"{d['position']}, top-2 margin {_f(d['margin'], 4)}")
+                     f"{d['position']}, top-2 margin {_f(d['margin'], 4)}{expected}")
     return lines
+
+
+def same_function(section: dict, run: dict) -> bool:
+    """Whether a llama.cpp run computes the built-in decoder's function (a converted target, the head at its type),
+    so that its τ agreement is a check; runs of older reports carry none: the section's."""
+    return run.get("same_function_as_builtin", section.get("same_function_as_builtin", True))
 
 
 def engine_lines(report: dict) -> list[str]:

@@ -185,13 +185,13 @@ def test_eval_engine_llamacpp(engine_data, engine_head, llamacpp_ready, tmp_path
     """`draftsmith eval engine=llamacpp`: target-only, the head, n-gram and head + n-gram in llama-server; the report's
     llamacpp section beside the built-in figures, and the recommendation from llama.cpp's measured best."""
     report = ev.run(compose("eval", COMMON + [f"head={engine_head('eagle3')}", "engine=llamacpp", "llamacpp_target=f32",
-                                              "gguf_outtype=f32",
+                                              "gguf_outtypes=[f32]",
                                               "prompts.source=holdout", f"prompts.path={engine_data}",
                                               "prompts.holdout=3", "max_new_tokens=32", "repeats=1", "warmup_prompts=0",
                                               "cost_repeats=1", "progress=false",
                                               "plot=false", f"drafting.num_speculative_tokens={K}", f"out={tmp_path}"]))
     e = report["llamacpp"]
-    assert e["head_gguf_outtype"] == "f32"
+    assert e["head_gguf_outtypes"] == ["f32"] and e["runs"]["eagle3"]["gguf_outtype"] == "f32"
     assert e["same_function_as_builtin"] and all(d["margin"] < FP32_NEAR_TIE for d in e["target_only_divergences"])
     assert set(e["runs"]) == {"eagle3", "ngram", "ngram+eagle3"}
     for name, run in e["runs"].items():  # identical, or a near-tie (FP32_NEAR_TIE, above) where it leaves

@@ -1,7 +1,7 @@
 """llama.cpp beside draftsmith, the fast part: its /metrics counters, the llama-server flags of the serving
 settings, the sentence that says it is not built, a llama-server that cannot start, `export format=gguf` (refused
 in one sentence for P-EAGLE, and into a folder that is not its own), its `gguf_outtype` through export,
-eval and publish (the converter replaced, and one real q8_0 conversion read back), the folder DFlash and DSpark
+eval (its `gguf_outtypes`; several side by side: tests/test_eval_llamacpp_outtypes.py) and publish (the converter replaced, and one real q8_0 conversion read back), the folder DFlash and DSpark
 hand llama.cpp's DSpark converter (its command line, config and tensors, the converter replaced; a full-vocab
 drafter refused) and eval's engine=llamacpp options.
 
@@ -254,7 +254,8 @@ def test_every_flag_we_pass_is_one_llama_server_knows(llamacpp_ready):
 
 def test_llamacpp_runs_of_a_head_are_its_ks_ngram_and_head_after_ngram():
     drafter = SimpleNamespace(method="eagle3", make=lambda: None, engines=methods()["eagle3"].engines)
-    cfg = SimpleNamespace(ngram_max=2, sweep_k=[1, 3, 5], drafting=SimpleNamespace(stop_below=0.0))
+    cfg = SimpleNamespace(ngram_max=2, sweep_k=[1, 3, 5], drafting=SimpleNamespace(stop_below=0.0),
+                          gguf_outtypes=["f32"])
     runs = ll.llamacpp_runs(cfg, drafter, 3)
     assert [r["name"] for r in runs] == [TARGET_ONLY, "eagle3", "eagle3@K=1", "eagle3@K=5", "ngram", "ngram+eagle3"]
     by_name = {r["name"]: r for r in runs}
@@ -275,9 +276,11 @@ def test_llamacpp_runs_refuse_a_head_llama_cpp_cannot_load():
 def test_recommendation_is_the_fastest_run_with_its_command():
     drafter = SimpleNamespace(method="eagle3", engines=methods()["eagle3"].engines, info={"path": "runs/h/final"})
     section = {"target": "/models/target.gguf", "runs": {
-        "eagle3": {"k": 3, "speedup": 1.4}, "eagle3@K=5": {"k": 5, "speedup": 1.7},
-        "ngram": {"k": 3, "speedup": 1.1}, "ngram+eagle3": {"k": 3, "speedup": 1.5}}}
-    cfg = SimpleNamespace(ngram_max=3, drafting=SimpleNamespace(stop_below=0.0), gguf_outtype="q8_0")
+        "eagle3": {"k": 3, "gguf_outtype": "q8_0", "speedup": 1.4},
+        "eagle3@K=5": {"k": 5, "gguf_outtype": "q8_0", "speedup": 1.7},
+        "ngram": {"k": 3, "gguf_outtype": None, "speedup": 1.1},
+        "ngram+eagle3": {"k": 3, "gguf_outtype": "q8_0", "speedup": 1.5}}}
+    cfg = SimpleNamespace(ngram_max=3, drafting=SimpleNamespace(stop_below=0.0))
     rec = ll.recommendation(section, drafter, cfg)
     assert (rec["drafter"], rec["k"], rec["measured_speedup"]) == ("eagle3@K=5", 5, 1.7)
     assert rec["faster_than_target_only"] and rec["measured_by"] == "llamacpp"
@@ -490,14 +493,13 @@ def test_gguf_outtype_reaches_the_converter_and_the_manifest(outtype, tiny_files
     assert manifest["gguf"] == "draft.gguf" and manifest["gguf_outtype"] == (outtype or llamacpp.OUTTYPE)
 
 
-@pytest.mark.parametrize("stage", ["export", "eval"])
-def test_a_gguf_outtype_outside_its_choices_is_refused_in_one_sentence(stage):
+def test_a_gguf_outtype_outside_its_choices_is_refused_in_one_sentence():
+    """export's one type (eval's list, gguf_outtypes, is checked in tests/test_eval_llamacpp_outtypes.py)."""
     with pytest.raises(DraftsmithError) as e:
-        compose(stage, ["head=runs/h/final", "engine=llamacpp" if stage == "eval" else "format=gguf",
-                        "gguf_outtype=q4_0"])
+        compose("export", ["head=runs/h/final", "format=gguf", "gguf_outtype=q4_0"])
     assert str(e.value) == "gguf_outtype=q4_0 is not one of f32, f16, bf16, q8_0."
     for choice in llamacpp.OUTTYPES:
-        assert compose(stage, ["head=runs/h/final", f"gguf_outtype={choice}"]).gguf_outtype == choice
+        assert compose("export", ["head=runs/h/final", f"gguf_outtype={choice}"]).gguf_outtype == choice
 
 
 @pytest.mark.parametrize("dtype, instead", [("float32", "f32"), ("bf16", "bf16"), ("float16", "f16")])
@@ -514,8 +516,8 @@ def test_a_gguf_export_given_a_dtype_is_refused_with_the_gguf_outtype_to_pass(dt
 
 
 def test_eval_engine_llamacpp_converts_the_head_at_its_gguf_outtype(tiny_files, tmp_path, monkeypatch):
-    """eval's gguf_outtype reaches the converter through the head's own gguf writer; the report's section and the
-    recommended export command carry it (llama-server replaced: every run gives target-only's tokens)."""
+    """eval's gguf_outtypes (one type) reaches the converter through the head's own gguf writer; the report's section
+    and the recommended export command carry it (llama-server replaced: every run gives target-only's tokens)."""
     calls = fake_converter(tmp_path, monkeypatch)
     converted = tmp_path / "llamacpp-targets" / "t-f32.gguf"  # as target_gguf names a conversion of its weights
     monkeypatch.setattr(ll, "target_gguf", lambda target, how: converted)
@@ -530,7 +532,7 @@ def test_eval_engine_llamacpp_converts_the_head_at_its_gguf_outtype(tiny_files, 
         return out
 
     monkeypatch.setattr(ll, "decode_run", decode_run)
-    cfg = compose("eval", ["engine=llamacpp", "llamacpp_target=f32", "gguf_outtype=q8_0",
+    cfg = compose("eval", ["engine=llamacpp", "llamacpp_target=f32", "gguf_outtypes=[q8_0]",
                            f"head={tiny_files.draft}", "progress=false"])
     method = methods()["draft"]
     drafter = SimpleNamespace(method="draft", make=lambda: None, engines=method.engines,
@@ -542,7 +544,7 @@ def test_eval_engine_llamacpp_converts_the_head_at_its_gguf_outtype(tiny_files, 
     assert value_after(call["command"], "--outtype") == "q8_0"
     assert {Path(d).name for d in served if d} == {"draft.gguf"}  # the converted head is what llama-server loaded
     section = out["llamacpp"]
-    assert section["head_gguf_outtype"] == "q8_0"
+    assert section["head_gguf_outtypes"] == ["q8_0"] and section["runs"]["draft"]["gguf_outtype"] == "q8_0"
     assert section["same_function_as_builtin"] is False  # an F32 target beside a q8_0 head: a reading, not a check
     assert " gguf_outtype=q8_0 " in out["recommendation"]["llamacpp"]["export_command"]
 
