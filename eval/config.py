@@ -52,8 +52,10 @@ class EvalConfig:
     # t_verify(K+1) / t_step in that dtype); float32 keeps greedy speculative output token-identical to target-only.
     target: TargetConfig = field(default_factory=TargetConfig)
     prompts: EvalPromptsConfig = field(default_factory=EvalPromptsConfig)
-    # The drafter: an EAGLE-3 checkpoint / exported folder, an HF draft-model folder, `ngram`, or
-    # `none` (target-only decoding only).
+    # The drafter: a head folder (a train out/ folder, an exported one or an HF draft-model folder, read by the method
+    # its config.json names), or one of eval's own names, which always mean themselves (a folder of that name is
+    # written with its path, head=./mtp): `ngram` (prompt lookup), `none` (target-only decoding only), `mtp` (the MTP
+    # layer the target's own folder ships, untrained: target.name a local MiMo folder; the same as head=<that folder>).
     head: str = "ngram"
     out: str = "runs/eval"  # output folder: report.json, report.md, plot
     overwrite: bool = False  # true: write into an out folder that is not an earlier eval output
@@ -104,7 +106,8 @@ class EvalConfig:
 
     def __post_init__(self):
         if not self.head:
-            raise DraftsmithError("head is empty: pass head=<EAGLE-3 folder | draft-model folder | ngram | none>.")
+            raise DraftsmithError("head is empty: pass head=<EAGLE-3 folder | draft-model folder | ngram | mtp | "
+                                  "none>.")
         check_options(self)
         checks.at_least("max_len", self.max_len, 1, null="as long as needed")
         for num_speculative_tokens in self.sweep_k:

@@ -49,13 +49,19 @@ def _opt(x: Optional[float], unit: str = "") -> str:
     return "-" if x is None else f"{_f(x)}{unit}"
 
 
+def _about(report: dict) -> str:
+    """" (the target's own MTP layer)" where eval names the drafter beyond its method (eval/run.py), else ""."""
+    description = (report.get("drafter") or {}).get("description")
+    return f" ({description})" if description else ""
+
+
 def markdown(report: dict) -> str:
     """A human-readable report: settings, the overall row, baselines, one row per category, conventions."""
     d = report["drafting"]
     lines = [
         f"# draftsmith eval: {report['method']} on {report['target']['target_id']}",
         "",
-        f"- head: `{report['head']}`",
+        f"- head: `{report['head']}`{_about(report)}",
         f"- sampling: temperature {report['temperature']}, top_k {report['top_k']}, top_p {report['top_p']}",
         f"- drafting: {d['mode']}, K = {d['num_speculative_tokens']}"
         + (f", tree_top_k {d['tree_top_k']}, tree_budget {d['tree_budget']}" if d["mode"] == "tree" else ""),
@@ -306,7 +312,8 @@ def greedy_lines(report: dict) -> list[str]:
 def summary_lines(report: dict) -> str:
     """The few lines `draftsmith eval` ends with."""
     acc = " ".join(f"{a:.2f}" for a in report["per_position_acceptance"])
-    lines = [f"eval {report['method']} on {report['target']['target_id']}: {report['n_prompts']} prompts, "
+    lines = [f"eval {report['method']}{_about(report)} on {report['target']['target_id']}: "
+             f"{report['n_prompts']} prompts, "
              f"temperature {report['temperature']}, {report['drafting']['mode']} K={report['drafting']['num_speculative_tokens']}",
              f"  tau {report['tau']:.2f}, per-position acceptance {acc}",
              f"  speedup {report['speedup']:.2f}x ({report['speculative_tokens_per_s']:.1f} vs "

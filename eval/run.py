@@ -10,8 +10,9 @@ report.json, report.md, report.png, config.yaml and manifest.json.
 
     run = prepare -> load_drafter -> method_proposers -> warm_up -> decode_all -> build_report -> write_outputs
 
-A head folder is read by the method its config.json names (draftsmith.core.methods); `ngram` and `none`
-are eval's own. The CLI prints `summary(report)`.
+A head folder is read by the method its config.json names (draftsmith.core.methods); `ngram`, `none` and `mtp`
+(the MTP layer the target's own folder ships, read as that folder) are eval's own names. The CLI prints
+`summary(report)`.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ from ..core.sampling import SamplingConfig
 
 TARGET_ONLY = "target_only"
 BUILT_IN = ("ngram", "none")  # eval's own `head=` options, no trained drafter
+# head=mtp: the MTP layer the target's own folder ships, untrained: that folder read by the mtp row, as
+# head=<target folder> reads it. Like ngram and none, the name always means itself (vLLM's `"method": "mtp"` is a
+# method, never a path): a folder named mtp is written head=./mtp.
+TARGETS_OWN_MTP = "mtp"
 
 
 # --------------------------------------------------------------------------- the drafter
@@ -60,6 +65,37 @@ class Drafter:
     model: Optional[torch.nn.Module] = None  # the loaded drafter (a transformers model can be hf_assisted's)
     engines: Engines = Engines(vllm=None)  # what vLLM and SGLang call it (its method's row; ngram's own)
     row: Optional[Method] = None  # its method's row (a head folder's); None for ngram and none
+
+
+def head_folder(cfg) -> Optional[str]:
+    """The folder `head=` reads: None for ngram and none, the target's own folder for mtp (checked to declare an MTP
+    layer), else the head as given (load_drafter says what is wrong with it)."""
+    head = str(cfg.head)
+    if head in BUILT_IN:
+        return None
+    if head == TARGETS_OWN_MTP:
+        return str(targets_own_mtp_folder(str(cfg.target.name)))
+    return head
+
+
+def targets_own_mtp_folder(target_name: str) -> Path:
+    """head=mtp: the target's folder, when the mtp row reads it (a MiMo folder declaring num_nextn_predict_layers);
+    one sentence otherwise, saying how to train one. Its MTP tensors are checked when the row loads them, as for
+    head=<that folder>."""
+    train = (f"train one with `draftsmith train method=mtp target.name={target_name} data=<data-gen folder> "
+             f"out=runs/mtp`, then pass head=runs/mtp")
+    folder = Path(target_name)
+    if not (folder / "config.json").is_file():
+        raise DraftsmithError(f"head=mtp reads the MTP layer in the target's own folder, but target.name="
+                              f"{target_name} names no local folder with a config.json: pass target.name=<a local "
+                              f"MiMo folder>, or {train}.")
+    config = read_folder_config(folder)
+    if method_for_folder(folder, config).name != TARGETS_OWN_MTP:
+        raise DraftsmithError(f"head=mtp: target.name={target_name} ships no MTP layer draftsmith reads (its "
+                              f"config.json: architectures {config.get('architectures')}, num_nextn_predict_layers "
+                              f"{config.get('num_nextn_predict_layers')}; draftsmith reads a MiMoForCausalLM's "
+                              f"model.mtp_layers.*); {train}.")
+    return folder
 
 
 def find_head_folder(path: Path) -> Path:
@@ -100,7 +136,8 @@ def check_head_target(folder: Path, config: dict, target: Target) -> None:
 
 
 def load_drafter(cfg, target: Target, max_len: int) -> Drafter:
-    """Resolve `head=`: none | ngram | a folder, loaded by the method its config.json names (draftsmith.core.methods)."""
+    """Resolve `head=`: none | ngram | a folder (mtp: the target's own), loaded by the method its config.json names
+    (draftsmith.core.methods)."""
     head = str(cfg.head)
     if head == "none":
         return Drafter("none", None, {"kind": "none"})
@@ -108,9 +145,9 @@ def load_drafter(cfg, target: Target, max_len: int) -> Drafter:
         return Drafter("ngram", lambda: ngram_proposer(cfg),
                        {"kind": "ngram", "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max,
                         "ngram_match": cfg.ngram_match}, engines=NGRAM_ENGINES)
-    path = Path(head)
+    path = Path(head_folder(cfg) or head)  # head=mtp: the target's own folder
     if not path.is_dir():
-        raise DraftsmithError(f"head={head!r} is neither `ngram`, `none` nor a folder.")
+        raise DraftsmithError(f"head={head!r} is neither `ngram`, `none`, `mtp` nor a folder.")
     folder = find_head_folder(path)
     config = read_folder_config(folder)
     entry = method_for_folder(folder, config)  # refuses a format that only another tool reads
@@ -121,6 +158,9 @@ def load_drafter(cfg, target: Target, max_len: int) -> Drafter:
             "draft_vocab_size": config.get("draft_vocab_size") or config.get("vocab_size"),
             # publish matches the head it publishes by this
             "sha256": weights_sha256(folder) if (folder / "model.safetensors").is_file() else None}
+    if entry.name == TARGETS_OWN_MTP and folder.resolve() == Path(target.target_id).resolve():
+        # head=mtp, or head=<the target folder>: the same drafter, named so in the report and the summary
+        info["description"] = "the target's own MTP layer"
     return with_ngram_first(cfg, Drafter(entry.name, lambda: entry.proposer(model, target.vocab_size, max_len),
                                          info, model, entry.engines, entry))
 
@@ -258,7 +298,7 @@ def summary(report: dict) -> str:
 def prepare(cfg: EvalConfig) -> Setup:
     """Check the settings and `out` (before any work), read the prompts, load the target and its runner."""
     sampling, drafting = build_settings(cfg)
-    head_path = None if str(cfg.head) in BUILT_IN else cfg.head
+    head_path = head_folder(cfg)  # head=mtp: the target's own folder, checked before any work
     out = mf.prepare_output(cfg.out, "eval", [("head", head_path), ("prompts.path", cfg.prompts.path),
                                               ("target", cfg.target.name)],
                             overwrite=cfg.overwrite)

@@ -9,7 +9,8 @@ safetensors files directly, under the names vLLM's MiMoMTP loads (`mimo_mtp.py` 
 
 Three folders:
     a MiMo target     `architectures: ["MiMoForCausalLM"]`, `num_nextn_predict_layers` >= 1: vLLM serves its MTP
-                      layers with `{"method": "mtp"}`; eval reads them untrained (`head=<that folder>`)
+                      layers with `{"method": "mtp"}`; eval reads them untrained (`head=mtp`, the same as
+                      `head=<that folder>`)
     train's output    config.json `DraftsmithMTP` (the MTP layers' Qwen2 config, their input and fusion, the target's
                       architecture) and model.safetensors holding only the MTP tensors
     format=mimo       export's stitch: a copy of the target folder in which only the MTP tensors and the config's MTP
@@ -114,6 +115,9 @@ def read_tensors(folder: Path, keep) -> dict[str, torch.Tensor]:
 def check_mtp_tensors(tensors: dict[str, torch.Tensor], config, where: Path) -> None:
     """Refuse a missing, unexpected or wrongly shaped MTP tensor, naming it and `where`."""
     expected = mtp_shapes(config)
+    if not tensors:  # a config that declares MTP layers over weights without them (a checkpoint saved by transformers)
+        raise DraftsmithError(f"{where} ships no MTP layer: its config.json declares num_nextn_predict_layers "
+                              f"{config.num_nextn_predict_layers}, but its weights hold no {MTP_PREFIX}* tensor.")
     for name, shape in expected.items():
         if name not in tensors:
             raise DraftsmithError(f"{where} has no tensor {name!r} (num_nextn_predict_layers "

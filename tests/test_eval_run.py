@@ -86,7 +86,7 @@ def test_run_takes_a_dictconfig_once_checked(questions, tmp_path):
     the typed tree: the stage's own check answers (head= names no folder, found after the target is loaded), not a
     TypeError."""
     cfg = OmegaConf.structured(eval_cfg(questions, tmp_path / "out", f"head={tmp_path / 'nohead'}"))
-    with pytest.raises(DraftsmithError, match="is neither `ngram`, `none` nor a folder"):
+    with pytest.raises(DraftsmithError, match="is neither `ngram`, `none`, `mtp` nor a folder"):
         run(check_config("eval", cfg))
 
 
