@@ -154,7 +154,7 @@ def eagle3_step_figures(target, mode: str, attention: str, T: int, docs: int, dr
     the peak memory of draftsmith's EAGLE-3 step."""
     from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
     from draftsmith.heads.vocab import build_vocab_map
-    from draftsmith.train.eagle3 import Eagle3Step
+    from draftsmith.train.eagle3 import Eagle3Config, Eagle3Step
     from draftsmith.train.features import target_prepare
     from draftsmith.train.trainer import autocast, wrap_for_training
 
@@ -165,7 +165,7 @@ def eagle3_step_figures(target, mode: str, attention: str, T: int, docs: int, dr
     d2t, t2d = build_vocab_map(torch.randint(0, 1000, (vocab,)), min(draft_vocab, vocab))
     head = Eagle3Head(eagle3_config_from_target(target.model.config, d2t.numel()))
     head.init_from_target(target.model, d2t, t2d)
-    step_module = Eagle3Step(head, 3, 0.8, attention=attention).to(device)
+    step_module = Eagle3Step(head, Eagle3Config.ttt_steps, Eagle3Config.ttt_decay, attention=attention).to(device)
     w = wrap_for_training(step_module, cfg, 1, 1000)
     prepare = target_prepare(head.t2d, target, mode, lambda: autocast(cfg))
     batch = conversations_batch(T, docs, vocab, device)
@@ -235,25 +235,26 @@ def kernels_part(device: torch.device, tiny: bool) -> dict:
     statistics and, on CUDA (flex has no CPU backward), every gradient, float32, also with activation
     checkpointing; then one step of the device path under torch.cuda.set_sync_debug_mode("error"): a host sync in
     the step raises."""
-    from draftsmith.train.eagle3 import check_attention_against_dense, eagle3_loss, pack, random_conversation, \
-        tiny_eagle3_head
+    from draftsmith.train.eagle3 import Eagle3Config, check_attention_against_dense, eagle3_loss, pack, \
+        random_conversation, tiny_eagle3_head
 
     cuda = device.type == "cuda"
     dtype = torch.float32 if cuda else torch.float64
     scale = 2 if tiny else 10
+    steps = Eagle3Config.ttt_steps  # the method's default TTT depth, what a user's run trains
     result = {"dtype": str(dtype), "grads": cuda,
-              "flex_vs_dense": check_attention_against_dense(device, dtype, grads=cuda, scale=scale),
-              "flex_vs_dense_checkpointed": check_attention_against_dense(device, dtype, grads=cuda, scale=scale,
-                                                                          activation_checkpointing=True)}
+              "flex_vs_dense": check_attention_against_dense(device, dtype, grads=cuda, steps=steps, scale=scale),
+              "flex_vs_dense_checkpointed": check_attention_against_dense(device, dtype, grads=cuda, steps=steps,
+                                                                          scale=scale, activation_checkpointing=True)}
     if cuda:
         head = tiny_eagle3_head(device, dtype)
         g = torch.Generator().manual_seed(2)
         batch = pack([random_conversation(head, n, g, dtype) for n in (90, 140, 50)], [[0, 1], [2]], 300, device)
-        eagle3_loss(head, **batch, steps=3)[0].backward()  # warm-up: compile flex, allocate
+        eagle3_loss(head, **batch, steps=steps)[0].backward()  # warm-up: compile flex, allocate
         torch.cuda.synchronize(device)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            eagle3_loss(head, **batch, steps=3)[0].backward()
+            eagle3_loss(head, **batch, steps=steps)[0].backward()
             result["host_syncs_in_step"] = "none (set_sync_debug_mode error raised nothing)"
         except RuntimeError as e:
             result["host_syncs_in_step"] = f"a sync: {e}"[:300]
@@ -274,6 +275,7 @@ def speculators_step_figures(target, shape: str, T: int, draft_vocab: int, steps
     from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
     from draftsmith.heads.eagle3_folders import save_speculators
     from draftsmith.heads.vocab import build_vocab_map
+    from draftsmith.train.eagle3 import Eagle3Config
 
     device = target.device
     vocab = target.vocab_size
@@ -314,7 +316,8 @@ def speculators_step_figures(target, shape: str, T: int, draft_vocab: int, steps
             out = model(hidden_states=hidden, input_ids=batch["input_ids"],
                         document_ids=torch.zeros_like(batch["input_ids"]), loss_mask=batch["loss_mask"].bool(),
                         position_ids=torch.arange(T, device=device)[None], verifier_last_hidden_states=last,
-                        ttt_steps=3, ttt_step_loss_decay=0.8, loss_config=loss_config)
+                        ttt_steps=Eagle3Config.ttt_steps, ttt_step_loss_decay=Eagle3Config.ttt_decay,
+                        loss_config=loss_config)
         loss = out[1] if isinstance(out, tuple) else out.loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)

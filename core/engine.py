@@ -51,7 +51,6 @@ class Engines:
 NUM_SPECULATIVE_TOKENS = 3
 
 PYTHON_ENV = "DRAFTSMITH_VLLM_PYTHON"  # the engine venv's python (default: .venv-vllm/bin/python)
-REQUIRE_ENV = "DRAFTSMITH_REQUIRE_ENGINE"  # 1: a missing engine fails the engine tests instead of skipping
 VENV = ".venv-vllm"
 INSTALL = "bash scripts/setup.sh --engine"
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -99,13 +98,6 @@ def engine_missing() -> Optional[str]:
 # The engine pythons that imported vllm in this process (path, inode, mtime): run_job asks engine_missing before every
 # job, and a test run asks again for every engine module. A failed probe is not kept: it is asked again each time.
 _PROBED: set[tuple[str, int, int]] = set()
-
-
-def engine_required() -> bool:
-    """DRAFTSMITH_REQUIRE_ENGINE=1 (what .ci/run sets with --engine): a missing engine is a failure, not a skip.
-
-    Only this flag, not a CI service's own CI=true: .ci/run is the one switch that installs the engine."""
-    return os.environ.get(REQUIRE_ENV, "").lower() in ("1", "true", "yes")
 
 
 def engine_env() -> dict[str, str]:

@@ -213,7 +213,11 @@ def _bf16_verdict(device: str) -> tuple[bool, str]:
 
 
 def forget() -> None:
-    """Drop every cached finding (tests that mock the hardware)."""
+    """Drop every cached finding, so that the next question is answered afresh.
+
+    Only the tests call it (they mock the hardware, one kind of machine per test); it stays here, not in the tests'
+    helpers, because what it clears is this module's own private state (`_decide`'s cache, `_settings`): a helper
+    elsewhere would reach into those names, and a cache added here would be missed there."""
     for f in (cpu_features, bf16_probe, _decide):
         f.cache_clear()
     _settings.clear()

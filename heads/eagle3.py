@@ -1,7 +1,8 @@
 """The EAGLE-3 drafter: one decoder layer fed by three fused target layers.
 
-Read top to bottom: config -> head -> the training-time-test mask. The layer, attention and KV caches are the
-shared kit's (heads/kit.py: `FusedInputLayer`, `Attention`, `StaticKVCache`, `ConcatKVCache`).
+Read top to bottom: config -> head. The layer, attention and KV caches are the shared kit's (heads/kit.py:
+`FusedInputLayer`, `Attention`, `StaticKVCache`, `ConcatKVCache`). The training-time-test unroll and its attention
+are training's (train/eagle3.py).
 
     fused = fc(cat(aux_hidden_states))                         # (B, T, 3H_t) -> (B, T, H)
     x     = cat(input_layernorm(embed(token)), hidden_norm(h))  # (B, T, 2H), embedding first
@@ -93,14 +94,3 @@ class Eagle3Head(DraftVocabHead):
         h = self.midlayer(embeds, hidden, cos, sin, attn_mask, kv_cache, cache_positions)
         normed = self.norm(h)
         return (normed if self.norm_output else h), self.lm_head(normed)
-
-
-def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
-    """Training-time-test mask for unroll step `step` over keys [step 0 | step 1 | ... | step `step`].
-
-    Query t attends causally to step-0 keys (<= t) and, in each later step, only to its own
-    index t (the same sequence slot, one position further on). Shape (1, 1, T, (step+1)*T).
-    """
-    eye = torch.eye(T, dtype=torch.bool, device=device)
-    blocks = [torch.ones(T, T, dtype=torch.bool, device=device).tril()] + [eye] * step
-    return torch.cat(blocks, dim=1)[None, None]

@@ -1,6 +1,6 @@
 """What every feature-fed drafter is built from: its Llama-shaped config, KV caches, attention, the fused-input
-decoder layer, masks and the draft-vocab map. A method's head (heads/<method>.py) imports this kit, never a
-sibling method.
+decoder layer and the draft-vocab map (built in heads/vocab.py). A method's head (heads/<method>.py) imports this
+kit, never a sibling method.
 
     x = cat(input_layernorm(embed(token)), hidden_norm(h))  # (B, T, 2H), embedding first: FusedInputLayer
     h' = h + o_proj(attn(q/k/v from x))                      # the residual is the un-normed h
@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from .vocab import draft_vocab_ids
 
 
 DEFAULT_ROPE_THETA = 10000.0  # Llama's, for a config that names none (transformers' default too)
@@ -213,12 +215,7 @@ class DraftVocabHead(nn.Module):
     def init_from_target(self, target_model, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Copy the target's embeddings and its lm_head rows for the draft vocab; set the vocab map."""
         self.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
-        used = torch.arange(d2t.numel(), device=d2t.device) + d2t  # target ids of the draft vocab
+        used = draft_vocab_ids(d2t)
         self.lm_head.weight.copy_(target_model.get_output_embeddings().weight[used.to(self.lm_head.weight.device)])
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
-
-
-def causal_mask(T: int, device=None) -> torch.Tensor:
-    """(1, 1, T, T) bool lower-triangular mask."""
-    return torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MADE_ONCE_LOG, builtin_decode, made_once, make_tiny_data, shared_path
+from helpers import MADE_ONCE_LOG, REQUIRE_ENV, builtin_decode, engine_required, made_once, make_tiny_data, shared_path
 
 # The engine tests read vLLM's counters, never its speed: its engine core runs in the worker's own process instead of
 # one spawned per LLM (~5 s a start instead of ~36 s on 2 cores). Measured equal, tokens, counters and per-request
@@ -170,11 +170,9 @@ def llamacpp_gguf(llamacpp_ready):
 def require(missing, what: str) -> None:
     """A missing engine (`missing`: the sentence that says why, or None): a skip, or a failure where
     DRAFTSMITH_REQUIRE_ENGINE=1 (CI), so the engine tests are never silently green."""
-    from draftsmith.core import engine
-
     if missing:
-        if engine.engine_required():
-            pytest.fail(f"{missing}; the {what} tests must run here ({engine.REQUIRE_ENV}=1)")
+        if engine_required():
+            pytest.fail(f"{missing}; the {what} tests must run here ({REQUIRE_ENV}=1)")
         pytest.skip(missing)
 
 

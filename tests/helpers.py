@@ -38,7 +38,6 @@ from draftsmith.eval.proposers.ngram import NGRAM_ENGINES
 from draftsmith.eval.proposers.peagle import PEagleProposer
 from draftsmith.eval.target_runner import TargetRunner
 from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
-from draftsmith.heads.kit import causal_mask
 from draftsmith.heads.mtp import MTPDrafter
 from draftsmith.heads.peagle import PEagleHead, peagle_config_from_target
 from draftsmith.heads.vocab import build_vocab_map
@@ -81,6 +80,25 @@ def ttt_unroll(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Tensor, 
     (the training loss takes the logits of the positions that count only). options: ttt_hidden's."""
     for h in ttt_hidden(head, input_ids, hidden, attention_mask, steps, **options):
         yield head.lm_head(head.norm(h))
+
+
+# ---- the attention masks the drafters are checked with ------------------------------------------------------
+
+def causal_mask(T: int, device=None) -> torch.Tensor:
+    """(1, 1, T, T) bool lower-triangular mask."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
+
+
+def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
+    """Training-time-test mask for unroll step `step` over keys [step 0 | step 1 | ... | step `step`]: the reference
+    train/eagle3.py's attention is checked against (it never builds this dense mask itself).
+
+    Query t attends causally to step-0 keys (<= t) and, in each later step, only to its own
+    index t (the same sequence slot, one position further on). Shape (1, 1, T, (step+1)*T).
+    """
+    eye = torch.eye(T, dtype=torch.bool, device=device)
+    blocks = [torch.ones(T, T, dtype=torch.bool, device=device).tril()] + [eye] * step
+    return torch.cat(blocks, dim=1)[None, None]
 
 
 # ---- the built-in decoder: one forward per cycle, the slots it attends to, lossless -----------------------
@@ -305,7 +323,6 @@ def speculators_eagle3_ttt_logits(model, ids, aux, pos, ttt_steps: int) -> list[
 @torch.no_grad()
 def eagle3_ttt_logits(head, ids, aux, pos, ttt_steps: int) -> list[torch.Tensor]:
     """The same unroll with an EAGLE-3 head: step k reads ids shifted by k, the previous step's output, pos + k."""
-    from draftsmith.heads.eagle3 import ttt_mask
     from draftsmith.heads.kit import ConcatKVCache
 
     T = ids.shape[1]
@@ -823,6 +840,15 @@ def cli_error(capsys, argv) -> str:
 
 
 # ---- the engines (vLLM, llama.cpp) and what their modules make once per test run ---------------------------
+
+REQUIRE_ENV = "DRAFTSMITH_REQUIRE_ENGINE"  # 1: a missing engine fails the engine tests instead of skipping
+
+
+def engine_required() -> bool:
+    """DRAFTSMITH_REQUIRE_ENGINE=1 (what .ci/run sets with --engine): a missing engine is a failure, not a skip.
+
+    Only this flag, not a CI service's own CI=true: .ci/run is the one switch that installs the engine."""
+    return os.environ.get(REQUIRE_ENV, "").lower() in ("1", "true", "yes")
 
 def engines_of(method: str):
     """What the engines call `method`: its row's Engines (ngram+<m> is served as <m>; ngram is eval's own)."""

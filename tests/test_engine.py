@@ -14,7 +14,7 @@ import pytest
 from draftsmith.core import DraftsmithError, engine
 from draftsmith.eval import engine_vllm as ev_engine
 from draftsmith.eval.metrics import Sample
-from helpers import engines_of
+from helpers import REQUIRE_ENV, engine_required, engines_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,14 +34,14 @@ def test_a_python_without_vllm_is_not_an_engine(monkeypatch):
     assert "cannot import vllm" in engine.engine_missing()
 
 
-@pytest.mark.parametrize("env, required", [({}, False), ({"CI": "true"}, False), ({engine.REQUIRE_ENV: "1"}, True),
-                                           ({engine.REQUIRE_ENV: "0"}, False)])
+@pytest.mark.parametrize("env, required", [({}, False), ({"CI": "true"}, False), ({REQUIRE_ENV: "1"}, True),
+                                           ({REQUIRE_ENV: "0"}, False)])
 def test_ci_requires_the_engine(monkeypatch, env, required):
-    for key in ("CI", engine.REQUIRE_ENV):
+    for key in ("CI", REQUIRE_ENV):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    assert engine.engine_required() is required
+    assert engine_required() is required
 
 
 def test_ci_runs_the_readme_test_command_with_the_engine():
@@ -50,7 +50,7 @@ def test_ci_runs_the_readme_test_command_with_the_engine():
     command = [ln for ln in (ROOT / ".ci" / "run").read_text().splitlines() if ln.strip() and not ln.startswith("#")]
     runs = [ln for ln in command if "pytest -q" in ln]
     assert len(runs) == 1, command
-    assert "scripts/setup.sh --engine" in runs[0] and f"{engine.REQUIRE_ENV}=1" in runs[0]
+    assert "scripts/setup.sh --engine" in runs[0] and f"{REQUIRE_ENV}=1" in runs[0]
     assert "--durations=" in runs[0]  # CI's output names the slowest tests (conftest.py adds a per-module table)
     assert " -n auto" in runs[0]  # pytest-xdist: one worker per core (conftest.py groups and threads them)
     assert runs[0].strip() in (ROOT / "README.md").read_text()

@@ -8,14 +8,13 @@ import json
 
 import pytest
 import torch
-from helpers import (DRAFT_VOCAB, PEAGLE_LAYERS, check_a_folder_without_embeddings_needs_the_targets,
+from helpers import (DRAFT_VOCAB, PEAGLE_LAYERS, causal_mask, check_a_folder_without_embeddings_needs_the_targets,
                      check_cli_export_both_formats, check_speculators_holds_our_head, layer_weight_names,
                      load_speculators_model, random_peagle, tensors_of)
 from safetensors.torch import load_file, save_file
 
 from draftsmith.core import DraftsmithError
 from draftsmith.cli import main
-from draftsmith.heads.kit import causal_mask
 from draftsmith.heads.peagle_folders import load_peagle, save_peagle, save_speculators_peagle
 from draftsmith.core.methods import method_for_folder
 from draftsmith.train.peagle import Slots, parallel_forward, sample_slots

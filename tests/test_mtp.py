@@ -12,11 +12,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
-from helpers import TINY_LLAMA_VOCAB, random_layers, tiny_llama
+from helpers import TINY_LLAMA_VOCAB, causal_mask, random_layers, tiny_llama
 
 from draftsmith.core import DraftsmithError
 from draftsmith.heads import mtp_folders
-from draftsmith.heads.kit import causal_mask
 from draftsmith.heads.mtp import MTPDrafter, init_mtp_layer, mtp_config_from_target
 
 def tiny_mimo(folder, seed: int = 0, drafter=None):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import mtp_decoder_target, random_layers, tiny_train_cfg, two_questions
+from helpers import causal_mask, mtp_decoder_target, random_layers, tiny_train_cfg, two_questions
 from safetensors import safe_open
 
 from draftsmith.cli import main
@@ -18,7 +18,6 @@ from draftsmith.core.methods import method_for_folder, methods
 from draftsmith.data_gen.target import TargetConfig, load_target, tiny_tokenizer
 from draftsmith.eval import run as ev
 from draftsmith.heads import mtp_folders
-from draftsmith.heads.kit import causal_mask
 from draftsmith.heads.mtp import mtp_config_from_target
 from draftsmith.train.features import TargetHead
 from draftsmith.train.mtp import MTPConfig, mtp_loss, new_mtp

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ttt_unroll
+from helpers import causal_mask, ttt_unroll
 
 from draftsmith.data_gen.target import TargetConfig, load_target
 from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
-from draftsmith.heads.kit import StaticKVCache, causal_mask
+from draftsmith.heads.kit import StaticKVCache
 from draftsmith.heads.vocab import build_vocab_map
 from draftsmith.train.eagle3 import eagle3_loss
 from draftsmith.train.features import TargetHead

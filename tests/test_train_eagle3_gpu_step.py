@@ -104,10 +104,11 @@ def test_the_gpu_checks_function_on_the_cpu():
     """`check_attention_against_dense`, which benchmarks/gpu_train_check.py runs on CUDA with gradients: values
     here (flex has no backward on the CPU: asking for gradients there is torch's error)."""
     for scale in (1, 10):  # T = 30 and 300: one of flex's blocks, and three (whole blocks skipped)
-        diffs = check_attention_against_dense("cpu", torch.float64, grads=False, scale=scale)
+        diffs = check_attention_against_dense("cpu", torch.float64, grads=False, steps=Eagle3Config.ttt_steps,
+                                              scale=scale)
         assert diffs["loss"] < 1e-10 and diffs["stats"] < 1e-4 and diffs["grad"] == 0.0
     with pytest.raises(RuntimeError, match="backward on CPU"):
-        check_attention_against_dense("cpu", torch.float64, grads=True)
+        check_attention_against_dense("cpu", torch.float64, grads=True, steps=Eagle3Config.ttt_steps)
 
 
 # ---- packing -----------------------------------------------------------------------------------------------------

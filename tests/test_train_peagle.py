@@ -8,10 +8,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import check_resume_is_exact, tiny_train_cfg, tiny_training_rows
+from helpers import causal_mask, check_resume_is_exact, tiny_train_cfg, tiny_training_rows
 
 from draftsmith.data_gen.target import TargetConfig, load_target
-from draftsmith.heads.kit import causal_mask
 from draftsmith.heads.peagle import PEagleHead, peagle_config_from_target
 from draftsmith.heads.vocab import build_vocab_map
 from draftsmith.train.peagle import PEagleConfig, Slots, peagle_loss, parallel_forward, sample_slots

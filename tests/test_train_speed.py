@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import ttt_unroll
+from helpers import ttt_mask, ttt_unroll
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from draftsmith.data_gen.target import TargetConfig, load_target
-from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target, ttt_mask
+from draftsmith.heads.eagle3 import Eagle3Head, eagle3_config_from_target
 from draftsmith.heads.kit import ConcatKVCache
 from draftsmith.heads.vocab import build_vocab_map
 from draftsmith.train.eagle3 import STATS, SoftCE, eagle3_loss, summarize, ttt_spans

@@ -12,7 +12,7 @@ Conventions (index t of a sequence x_0 .. x_{T-1}; f_t = the target's fused feat
             is in the draft vocab
 
 Attention at step i: query t sees the step-0 keys 0..t and, in each later step j <= i, the key of
-its own index t (its own branch one position further on): the mask `heads.eagle3.ttt_mask(T, i)`
+its own index t (its own branch one position further on): the dense mask `ttt_mask(T, i)` (tests/helpers.py)
 describes, computed here as one causal (T, T) block plus one score per later step (`ttt_attention`).
 So index t at step i is exactly what the drafter computes autoregressively after drafting i tokens
 from position t (tests/test_train_eagle3.py checks this against a step-by-step decode, and
@@ -240,7 +240,7 @@ def ttt_hidden(head: Eagle3Head, input_ids: torch.Tensor, hidden: torch.Tensor,
     document_ids (B, T) (attention stays inside a document); without them a row is one document at 0 .. T-1.
     `attention`: "dense" or "flex" (`ATTENTION`); activation_checkpointing recomputes each step's layer in backward.
 
-    The same maths as `head(tokens, hidden, positions + i, ttt_mask(T, i) & padding, ConcatKVCache)`
+    The same maths as `head(tokens, hidden, positions + i, ttt_mask(T, i) & padding, ConcatKVCache)` (tests/helpers.py)
     per step (tests/test_train_speed.py checks it in float64), without the dense (T, (i+1)T) mask:
     the step-0 keys are scored as one causal (T, T) block and each later step's key only against its
     own index (a dot product per position), then one softmax over the T + i scores of each query.
@@ -619,12 +619,13 @@ def pack(conversations: list[dict], rows: list[list[int]], T: int, device="cpu",
 
 
 def check_attention_against_dense(device="cpu", dtype=torch.float32, grads: bool = True,
-                                  activation_checkpointing: bool = False, steps: int = 3, scale: int = 1,
+                                  activation_checkpointing: bool = False, *, steps: int, scale: int = 1,
                                   **options) -> dict:
-    """The EAGLE-3 step with method.attention=flex against dense on one packed micro-batch (2 rows of T = 30 * scale,
-    5 conversations, padding, prompts; scale >= 5 spans several of flex's 128-token blocks): the largest absolute differences of the loss, the statistics and (grads=True: flex has no
-    CPU backward, so on CUDA only) every gradient, and the largest gradient for scale. options: eagle3_loss's
-    (sync_free, ...). Float64 on the CPU agrees to ~1e-15; float32 on CUDA to float32 rounding."""
+    """The EAGLE-3 step of `steps` TTT steps with method.attention=flex against dense on one packed micro-batch (2
+    rows of T = 30 * scale, 5 conversations, padding, prompts; scale >= 5 spans several of flex's 128-token blocks):
+    the largest absolute differences of the loss, the statistics and (grads=True: flex has no CPU backward, so on
+    CUDA only) every gradient, and the largest gradient for scale. options: eagle3_loss's (sync_free, ...). Float64
+    on the CPU agrees to ~1e-15; float32 on CUDA to float32 rounding."""
     device = torch.device(device)
     head = tiny_eagle3_head(device, dtype)
     g = torch.Generator().manual_seed(1)
