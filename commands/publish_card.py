@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from draftsmith.core.artifacts import MANIFEST, read_manifest
 from draftsmith.core.engine import Engines
 from draftsmith.eval.cost import serving_settings
+from draftsmith.eval.decoder import DraftingConfig
 
 
 def card_commands(method: str, engines: Engines, base_model: str, repo_id: str, num_speculative_tokens: int,
@@ -24,7 +25,7 @@ def card_commands(method: str, engines: Engines, base_model: str, repo_id: str, 
     tree = drafting.get("mode") == "tree"
     settings = serving_settings(method, engines, base_model, repo_id, num_speculative_tokens,
                                 "tree" if tree else "chain",
-                                tree_top_k=int(drafting.get("tree_top_k", 1)),
+                                tree_top_k=int(drafting.get("tree_top_k", DraftingConfig.tree_top_k)),
                                 tree_size=int(drafting["tree_budget"]) if tree and drafting.get("tree_budget") else None,
                                 line_break=True)
     return {engine: settings[engine]["command"] for engine in ("vllm", "sglang", "llamacpp")

@@ -16,6 +16,11 @@ The rules, precise so that they cannot flicker:
   writer's own rule) or none; `NUM_SPECULATIVE_TOKENS = <int>` is written once, in core/engine.py;
 - a parameter named like an option whose default a config dataclass holds (ONE_DEFAULT: eval's, train's) has no
   literal default: it reads the config's (`EvalConfig.ngram_max`, `TrainConfig.optimizer`) or has none;
+- a parameter named steps or decay (a loss's or a check's TTT steps and loss weights) has no literal default: it
+  reads the method config's (`PEagleConfig.depth_decay`) or is the caller's (peagle_loss once had decay=1.0, the
+  flex-attention check steps=3, beside method.depth_decay and method.ttt_steps);
+- a report's or a config's field read from a mapping invents no literal default: `.get("tree_top_k", 1)` is refused
+  (publish once read 1 while DraftingConfig.tree_top_k is 4), `.get("tree_top_k", DraftingConfig.tree_top_k)` is not;
 - a training loss's TTT steps come from its caller: no default (eagle3_loss once had steps=7 while
   method.ttt_steps defaulted to 3).
 """
@@ -38,6 +43,7 @@ SCOPED = ("commands/", "core/", "heads/", "eval/")
 ROW_KEYS = {"k", COUNT}  # a report row's or a JSON's key for the count
 ONE_DEFAULT = {"ngram_min", "ngram_max", "stop_below", "tree_top_k", "tree_budget", "ttt_steps", "ttt_decay", "depth_decay",
                "cost_repeats", "near_tie_eps", "optimizer", "max_new_tokens", "max_tokens"}
+CALLERS = {"steps", "decay"}  # a loss's or a check's TTT steps and loss weights: the caller's or the config's
 CONSTANT = "NUM_SPECULATIVE_TOKENS"
 CONSTANT_HOME = "core/engine.py"
 
@@ -140,7 +146,7 @@ def literal_defaults(path: str, tree: ast.AST) -> list[str]:
         where = f"{path}:{getattr(node, 'lineno', '?')}"
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             for arg, default in parameters(node):
-                if default is not None and arg.arg in ONE_DEFAULT | {COUNT} and is_literal(default):
+                if default is not None and arg.arg in ONE_DEFAULT | CALLERS | {COUNT} and is_literal(default):
                     found.append(f"{where}: parameter {arg.arg}={ast.unparse(default)}")
                 if (arg.arg in ("steps", "ttt_steps") and default is not None
                         and getattr(node, "name", "").endswith("_loss")):
@@ -150,6 +156,10 @@ def literal_defaults(path: str, tree: ast.AST) -> list[str]:
                 if (isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and st.target.id == COUNT
                         and st.value is not None and is_literal(st.value)):
                     found.append(f"{where}: field {node.name}.{COUNT} = {ast.unparse(st.value)}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+              and len(node.args) == 2 and isinstance(node.args[0], ast.Constant)
+              and node.args[0].value in ONE_DEFAULT | {COUNT} and is_literal(node.args[1])):
+            found.append(f"{where}: {ast.unparse(node)}: a field read with a default of its own")
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             if any(CONSTANT in bound_names(t) for t in targets) and path != CONSTANT_HOME:
@@ -188,6 +198,9 @@ BEFORE = {
     "def llamacpp_settings(method, num_speculative_tokens, ngram_max: int = 3): pass": literal_defaults,
     "NUM_SPECULATIVE_TOKENS = 3": literal_defaults,
     "def resolve_deepspeed(requested, environ=None, optimizer: str = 'adamw'): pass": literal_defaults,
+    "def peagle_loss(head, slots, depths: int, decay: float = 1.0): pass": literal_defaults,
+    "def check_attention_against_dense(device='cpu', grads: bool = True, steps: int = 3): pass": literal_defaults,
+    "top_k = int(drafting.get('tree_top_k', 1))": literal_defaults,
 }
 ALLOWED = [
     "def update(self, cache_positions, k: torch.Tensor, v: torch.Tensor): pass",  # attention's keys
@@ -197,6 +210,10 @@ ALLOWED = [
     "class ExportConfig:\n    num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS",
     "def save(head, num_speculative_tokens: Optional[int] = None): pass",
     "def eagle3_loss(head, steps: int, decay: float = Eagle3Config.ttt_decay): pass",
+    "def peagle_loss(head, slots, depths: int, decay: float = PEagleConfig.depth_decay): pass",
+    "def check_attention_against_dense(device='cpu', grads: bool = True, *, steps: int): pass",
+    "top_k = int(drafting.get('tree_top_k', DraftingConfig.tree_top_k))",
+    "mode = drafting.get('mode', 'chain')",  # a field the rules do not name
 ]
 
 

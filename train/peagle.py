@@ -147,7 +147,7 @@ def parallel_forward(head: PEagleHead, input_ids: torch.Tensor, attention_mask: 
 
 def peagle_loss(head: PEagleHead, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
                 aux: torch.Tensor, target: TargetSide, slots: Slots, depths: int,
-                decay: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                decay: float = PEagleConfig.depth_decay) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss of one micro-batch and its statistics (depths, len(STATS)) for logging."""
     B, T = input_ids.shape
     h = parallel_forward(head, input_ids, attention_mask, aux, slots)  # (B, N, H)
