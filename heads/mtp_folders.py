@@ -376,7 +376,7 @@ def card(options: dict, formats: list[str], commands: dict) -> dict:
     return {
         "title": "A fine-tuned multi-token-prediction (MTP) layer, stitched into its target",
         "method": ("MTP: the target's own multi-token-prediction layer, fine-tuned with the target, its embeddings "
-                   f"and lm_head frozen, over {options.get('steps', 3)} teacher-forced recursive steps, then written "
+                   f"and lm_head frozen, over {options['steps']} teacher-forced recursive steps, then written "
                    "back into a copy of the target folder (only the MTP tensors change). vLLM serves it with "
                    "method mtp, the target folder being the model."),
         "tags": ["mtp", "speculative-decoding", "draftsmith", "vllm"],

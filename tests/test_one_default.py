@@ -20,7 +20,8 @@ The rules, precise so that they cannot flicker:
   reads the method config's (`PEagleConfig.depth_decay`) or is the caller's (peagle_loss once had decay=1.0, the
   flex-attention check steps=3, beside method.depth_decay and method.ttt_steps);
 - a report's or a config's field read from a mapping invents no literal default: `.get("tree_top_k", 1)` is refused
-  (publish once read 1 while DraftingConfig.tree_top_k is 4), `.get("tree_top_k", DraftingConfig.tree_top_k)` is not;
+  (publish once read 1 while DraftingConfig.tree_top_k is 4; the MTP card `.get("steps", 3)`), and
+  `.get("tree_top_k", DraftingConfig.tree_top_k)` is not;
 - a training loss's TTT steps come from its caller: no default (eagle3_loss once had steps=7 while
   method.ttt_steps defaulted to 3).
 """
@@ -158,7 +159,7 @@ def literal_defaults(path: str, tree: ast.AST) -> list[str]:
                     found.append(f"{where}: field {node.name}.{COUNT} = {ast.unparse(st.value)}")
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
               and len(node.args) == 2 and isinstance(node.args[0], ast.Constant)
-              and node.args[0].value in ONE_DEFAULT | {COUNT} and is_literal(node.args[1])):
+              and node.args[0].value in ONE_DEFAULT | CALLERS | {COUNT} and is_literal(node.args[1])):
             found.append(f"{where}: {ast.unparse(node)}: a field read with a default of its own")
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
@@ -201,6 +202,7 @@ BEFORE = {
     "def peagle_loss(head, slots, depths: int, decay: float = 1.0): pass": literal_defaults,
     "def check_attention_against_dense(device='cpu', grads: bool = True, steps: int = 3): pass": literal_defaults,
     "top_k = int(drafting.get('tree_top_k', 1))": literal_defaults,
+    "text = f\"over {options.get('steps', 3)} steps\"": literal_defaults,
 }
 ALLOWED = [
     "def update(self, cache_positions, k: torch.Tensor, v: torch.Tensor): pass",  # attention's keys
