@@ -556,14 +556,7 @@ EAGLE3_K = 4  # chain length
 
 def eagle3_decoder_target():
     """A 2-layer float64 Llama of EAGLE3_V tokens with peaked distributions."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=EAGLE3_V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).double().eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8)  # peaked distributions
-    return model
+    return peaked_llama(EAGLE3_V)
 
 
 def eagle3_decoder_head(target, **norms):
@@ -609,11 +602,11 @@ def eagle3_decoder_features(target, ids: list[int]) -> torch.Tensor:
     return torch.cat([hs[i] for i in AUX], dim=-1)
 
 
-def peaked_llama(V, seed=0, scale=8.0, layers=2):
+def peaked_llama(V, seed=0, scale=8.0, layers=2, max_positions=128):
     """A float64 Llama of V tokens whose logits are scaled by `scale` (peaked distributions)."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                       tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg).double().eval()
     with torch.no_grad():
@@ -654,13 +647,8 @@ MTP_V = 12  # mtp_decoder_target's vocabulary: small, so that drafts are often a
 
 def mtp_decoder_target(vocab: int = MTP_V):
     """A 2-layer float64 Llama with peaked distributions, a final norm that is not all ones, unit embeddings."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).double().eval()
+    model = peaked_llama(vocab, max_positions=256)
     with torch.no_grad():
-        model.lm_head.weight.mul_(8)  # peaked distributions
         model.model.norm.weight.uniform_(0.5, 1.5)  # pre- and post-norm states differ
         model.get_input_embeddings().weight.normal_(0.0, 1.0)
     return model
