@@ -20,10 +20,15 @@ a prompt may count differently, every earlier one must agree exactly (`steps_ide
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Callable, Optional
+
+import torch
 
 from ..core import DraftsmithError, engine
 from ..core.engine import Engines
+from ..heads import mtp_folders
+from ..heads.folders import read_config_json
 from . import metrics
 from .config import EvalConfig, check_engine_options
 from .cost import predicted_tau, serving_settings
@@ -78,6 +83,21 @@ def engine_runs(cfg, drafter, num_speculative_tokens: int) -> list[dict]:
 def run_name(method: str, num_speculative_tokens: int, main_num_speculative_tokens: int) -> str:
     """A run's name in the report: the method at the eval's K, `<method>@K=<n>` at another K of the sweep."""
     return method if num_speculative_tokens == main_num_speculative_tokens else f"{method}@K={num_speculative_tokens}"
+
+
+def in_target_model(drafter, target_folder: str, out: Path, dtype: torch.dtype) -> str:
+    """The folder vLLM loads as the model for a drafter served inside its target (an MTP layer: `{"method": "mtp"}`,
+    no draft path). A head that is a whole MiMo folder (head=mtp, an `export format=mimo` folder) is served as it is;
+    train's output (the MTP layers alone) is first stitched into a copy of the served target, as `export
+    format=mimo` writes it, at `out/engine_model` (in the job's dtype): served otherwise, vLLM would run the layer the
+    target folder ships (or none), not the head the built-in decoder measured."""
+    head = Path(drafter.info["path"])
+    if read_config_json(head).get("architectures") != [mtp_folders.MTP_ARCHITECTURE]:
+        return str(head)
+    log.info("engine=vllm: stitching %s into a copy of %s for vLLM (%s)", head, target_folder, out / "engine_model")
+    layers = mtp_folders.load_mtp(head)
+    return str(mtp_folders.stitch(layers, target_folder, out / "engine_model", dtype=dtype,
+                                  stage="eval"))
 
 
 def engine_job(target_folder: str, prompts: list[list[int]], max_tokens: int, eos: list[int], runs: list[dict],
@@ -199,8 +219,15 @@ def engine_report(setup, drafter, samples: dict[str, list[metrics.Sample]], repo
     base = samples[TARGET_ONLY]
     prompts = [s.prompt_ids for s in base]
     runs = engine_runs(cfg, drafter, d.num_speculative_tokens)
-    job = engine_job(served_target(setup.target), prompts, cfg.max_new_tokens, setup.target.eos_token_ids, runs,
-                     dtype=str(setup.target.model.dtype).removeprefix("torch."), repeats=cfg.repeats,
+    dtype = str(setup.target.model.dtype).removeprefix("torch.")
+    target_folder = served_target(setup.target)
+    if drafter.engines.in_target:
+        model = in_target_model(drafter, target_folder, Path(cfg.out), setup.target.model.dtype)
+        for run in runs[1:]:
+            if run["speculative_config"]["method"] == drafter.engines.vllm:
+                run["model"] = model
+    job = engine_job(target_folder, prompts, cfg.max_new_tokens, setup.target.eos_token_ids, runs,
+                     dtype=dtype, repeats=cfg.repeats,
                      warmup=cfg.warmup_prompts)
     result = engine.run_job(job)
     section = {"name": "vllm", "version": result["vllm_version"], "torch": result["torch_version"],

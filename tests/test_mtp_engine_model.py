@@ -1,0 +1,100 @@
+"""`eval engine=vllm` with an MTP head (issue 48): vLLM serves an MTP layer inside its target ({"method": "mtp"}, no
+draft path), so the job's MTP runs must load a folder that holds THIS layer. train's output (the layers alone) is
+stitched into a copy of the served target first, as `export format=mimo` writes it; a whole MiMo folder (head=mtp)
+is served as it is. Without it vLLM would run the layer the target ships (or, for a Llama, none) while the built-in
+decoder measured the trained one. No engine here: the job is captured where it would go to vLLM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import random_layers
+from safetensors.torch import load_file
+
+from draftsmith.configs import compose
+from draftsmith.core.engine import Engines
+from draftsmith.data_gen.target import TargetConfig, load_target, tiny_tokenizer
+from draftsmith.eval import engine_vllm
+from draftsmith.eval.run import Drafter
+from draftsmith.heads import mtp_folders
+from draftsmith.heads.mtp import mtp_config_from_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+class Captured(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """(a tiny Llama target folder, train's output for it: random MTP layers alone, a MiMo folder with others)."""
+    tiny = load_target(TargetConfig(name="tiny", dtype="float32"))
+    root = tmp_path_factory.mktemp("mtp-engine-model")
+    llama = root / "tiny-llama"
+    tiny.model.save_pretrained(llama)
+    tiny_tokenizer().save_pretrained(llama)
+    config = mtp_config_from_target(tiny.model.config)
+    trained = mtp_folders.save_mtp(random_layers(config, seed=5), root / "trained")
+    mimo = mtp_folders.save_as_mimo(tiny.model, root / "tiny-mimo", random_layers(config, seed=6))
+    return llama, trained, mimo
+
+
+MTP_ENGINES = Engines(vllm="mtp", in_target=True)  # the mtp row's (commands/methods.py)
+
+
+def captured_job(monkeypatch, head, target_folder, out, engines=MTP_ENGINES) -> dict:
+    """The job engine_report would hand to vLLM for `head` on `target_folder`."""
+    jobs = []
+
+    def run_job(job, **kw):
+        jobs.append(job)
+        raise Captured
+
+    monkeypatch.setattr(engine_vllm, "served_target", lambda target: str(target_folder))
+    monkeypatch.setattr(engine_vllm.engine, "run_job", run_job)
+    cfg = compose("eval", ["target.name=tiny", "engine=vllm", "temperature=0", "baselines=[ngram]",
+                           "sweep_k=[2]", f"out={out}"])
+    target = type("T", (), {"eos_token_ids": [0], "model": type("M", (), {"dtype": torch.float32})()})()
+    setup = type("S", (), {"cfg": cfg, "drafting": cfg.drafting, "target": target})()
+    drafter = Drafter(engines.vllm, lambda: None, {"path": str(head)}, None, engines)
+    sample = type("Sample", (), {"prompt_ids": [5, 6], "tokens": [1, 2]})()
+    with pytest.raises(Captured):
+        engine_vllm.engine_report(setup, drafter, {engine_vllm.TARGET_ONLY: [sample]}, {}, "org/target")
+    return jobs[0]
+
+
+def models(job) -> dict:
+    return {run["name"]: run.get("model") for run in job["runs"]}
+
+
+def test_trained_layers_are_stitched_into_the_served_target_for_the_mtp_runs(folders, monkeypatch, tmp_path):
+    llama, trained, _ = folders
+    job = captured_job(monkeypatch, trained, llama, tmp_path / "eval")
+    stitched = tmp_path / "eval" / "engine_model"
+    # every MTP run (K and the sweep's K) loads the stitched folder; target-only and n-gram load the target
+    assert models(job) == {engine_vllm.TARGET_ONLY: None, "mtp": str(stitched), "mtp@K=2": str(stitched),
+                           "ngram": None}
+    assert job["target"] == str(llama)
+    assert mtp_folders.read_config_json(stitched)["architectures"] == [mtp_folders.MIMO_ARCHITECTURE]
+    served = load_file(str(stitched / "model.safetensors"))
+    head = load_file(str(trained / "model.safetensors"))
+    target = load_file(str(llama / "model.safetensors"))
+    assert head and all(torch.equal(served[name], t) for name, t in head.items())  # the layer eval measured
+    assert all(torch.equal(served[name], t) for name, t in target.items())  # the target as it is
+    assert served["model.mtp_layers.0.input_proj.weight"].dtype == torch.float32  # the job's dtype
+
+
+def test_a_whole_mimo_folder_is_served_as_it_is(folders, monkeypatch, tmp_path):
+    _, _, mimo = folders
+    job = captured_job(monkeypatch, mimo, mimo, tmp_path / "eval")
+    assert models(job)["mtp"] == str(mimo) and models(job)["ngram"] is None
+    assert not (tmp_path / "eval" / "engine_model").exists()
+
+
+def test_a_head_served_beside_the_target_gets_no_model(folders, monkeypatch, tmp_path):
+    """Negative control: a method with a draft folder (EAGLE-3's row) leaves every run on the target."""
+    llama, trained, _ = folders
+    job = captured_job(monkeypatch, trained, llama, tmp_path / "eval", Engines(vllm="eagle3"))
+    assert set(models(job).values()) == {None} and len(job["runs"]) == 4
+    assert not (tmp_path / "eval" / "engine_model").exists()
