@@ -79,10 +79,13 @@ def _require() -> None:
 # A drafter's GGUF weight type (the converter's --outtype): export's and publish's `gguf_outtype`; eval measures
 # every type of its `gguf_outtypes` side by side, [OUTTYPE] by default
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
-OUTTYPE = "f32"  # the default until a type is measured faster on this build's machine kind (docs/llamacpp.md)
+# q8_0: the fastest or tied-fastest type on both CPU kinds measured, never slower than f32, at the same tau within
+# 0.015 (docs/llamacpp.md "gguf_outtype"): a drafter's cost in llama.cpp is not its weight bytes here (the target's
+# verification of the drafted rows is), but every type's run was at or below q8_0's
+OUTTYPE = "q8_0"
 
 
-def convert(hf_folder: Path, out_file: Path, outtype: str = "f32", target_dir: Optional[Path] = None,
+def convert(hf_folder: Path, out_file: Path, outtype: str = OUTTYPE, target_dir: Optional[Path] = None,
             timeout_s: float = 1800) -> Path:
     """Write `hf_folder` as the GGUF `out_file` with llama.cpp's own converter (its in-tree gguf-py).
 
