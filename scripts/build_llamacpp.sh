@@ -27,7 +27,9 @@ if [ ! -f "$SRC/convert_hf_to_gguf.py" ]; then
     mv "$TMP/llama_cpp_python-$VERSION/vendor/llama.cpp" "$SRC"   # rename: a killed download leaves no half tree
     rm -rf "$TMP"
 fi
-# GGML_NATIVE=OFF: a portable AVX2 binary, so a cache shared between CPU kinds stays valid. The prebuilt web UI
+# GGML_NATIVE=OFF: a portable AVX2 binary, so a cache shared between CPU kinds stays valid. (Native is no way out on
+# an AMX Xeon: it dies in ggml_backend_amx_mul_mat on the Q4_1 target, llama.cpp #20824, and without AMX it decodes
+# no faster: docs/results/issue47-llamacpp-side-by-side-2026-12-06.md.) The prebuilt web UI
 # would be fetched from the Hub at build time and openssl is not needed on loopback: both off.
 cmake -S "$SRC" -B "$HOME_DIR/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TOOLS=ON \
