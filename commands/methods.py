@@ -124,9 +124,11 @@ ROWS = (
     Method("dspark", folders=_dspark_folders, proposers=_dspark_proposers, train=_dspark_training,
            engines=Engines(vllm="dspark", llamacpp="draft-dspark")),
     # MTP: the target's own multi-token-prediction layer (a MiMo folder's, or one grafted on), fine-tuned and stitched
-    # back into a copy of the target (export format=mimo); vLLM serves that folder as the model with method mtp
+    # back into a copy of the target (export format=mimo); vLLM serves that folder as the model with method mtp,
+    # SGLang as model and draft alike with NEXTN (its EAGLE worker; MiMo is not among the architectures whose draft
+    # path SGLang fills in itself: server_args.py), not engine-checked
     Method("mtp", folders=_mtp_folders, proposers=_mtp_proposers, train=_mtp_training,
-           engines=Engines(vllm="mtp", in_target=True)),
+           engines=Engines(vllm="mtp", sglang="NEXTN", in_target=True)),
     # the catch-all (ARCHITECTURES = ()): any HF causal-LM folder is evaluated as a draft model
     Method("draft", folders=_draft_folders, proposers=_draft_proposers, train=_draft_training,
            engines=Engines(vllm="draft_model", sglang="STANDALONE", llamacpp="draft-simple")),

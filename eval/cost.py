@@ -241,7 +241,7 @@ def serving_settings(method: str, engines: Engines, target_model: str, head_path
                       "--speculative-num-draft-tokens": draft_tokens})
         text = sep.join(f"{f} {v}" for f, v in flags.items())
         out["sglang"] = {"flags": flags,
-                         "command": f"python -m sglang.launch_server --model-path {target_model}{sep}{text}"}
+                         "command": f"python -m sglang.launch_server --model-path {served}{sep}{text}"}
     # ngram+<m> (eval's ngram_first): llama.cpp mixes the two, vLLM and SGLang serve <m> alone
     out["llamacpp"] = llamacpp_settings(method.removeprefix("ngram+"), engines, num_speculative_tokens, ngram_max, sep,
                                         ngram_first=method.startswith("ngram+"), stop_below=stop_below)

@@ -98,3 +98,17 @@ def test_a_head_served_beside_the_target_gets_no_model(folders, monkeypatch, tmp
     job = captured_job(monkeypatch, trained, llama, tmp_path / "eval", Engines(vllm="eagle3"))
     assert set(models(job).values()) == {None} and len(job["runs"]) == 4
     assert not (tmp_path / "eval" / "engine_model").exists()
+
+
+def test_sglang_serves_the_mtp_folder_as_model_and_draft_and_other_heads_beside_the_target():
+    """SGLang loads a MiMo's MTP layer as a draft model of the same folder (NEXTN, its EAGLE worker): MiMo is not among
+    the architectures whose draft path SGLang fills in itself, so both paths are given. Not engine-checked."""
+    from draftsmith.core.methods import methods
+    from draftsmith.eval.cost import serving_settings
+
+    mtp = serving_settings("mtp", methods()["mtp"].engines, "org/target", "/runs/mimo", 3)["sglang"]
+    assert mtp["command"] == ("python -m sglang.launch_server --model-path /runs/mimo --speculative-algorithm NEXTN "
+                              "--speculative-draft-model-path /runs/mimo --speculative-num-steps 3 "
+                              "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4")
+    eagle3 = serving_settings("eagle3", methods()["eagle3"].engines, "org/target", "/runs/e3", 3)["sglang"]
+    assert eagle3["command"].startswith("python -m sglang.launch_server --model-path org/target ")
