@@ -90,7 +90,7 @@ def targets_own_mtp_folder(target_name: str) -> Path:
                               f"{target_name} names no local folder with a config.json: pass target.name=<a local "
                               f"MiMo folder>, or {train}.")
     config = read_folder_config(folder)
-    if method_for_folder(folder, config).name != TARGETS_OWN_MTP:
+    if not method_for_folder(folder, config).engines.in_target:  # the rows of a layer inside its target: mtp
         raise DraftsmithError(f"head=mtp: target.name={target_name} ships no MTP layer draftsmith reads (its "
                               f"config.json: architectures {config.get('architectures')}, num_nextn_predict_layers "
                               f"{config.get('num_nextn_predict_layers')}; draftsmith reads a MiMoForCausalLM's "
@@ -158,7 +158,7 @@ def load_drafter(cfg, target: Target, max_len: int) -> Drafter:
             "draft_vocab_size": config.get("draft_vocab_size") or config.get("vocab_size"),
             # publish matches the head it publishes by this
             "sha256": weights_sha256(folder) if (folder / "model.safetensors").is_file() else None}
-    if entry.name == TARGETS_OWN_MTP and folder.resolve() == Path(target.target_id).resolve():
+    if entry.engines.in_target and folder.resolve() == Path(target.target_id).resolve():
         # head=mtp, or head=<the target folder>: the same drafter, named so in the report and the summary
         info["description"] = "the target's own MTP layer"
     return with_ngram_first(cfg, Drafter(entry.name, lambda: entry.proposer(model, target.vocab_size, max_len),
