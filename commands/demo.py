@@ -478,7 +478,9 @@ def llamacpp_summary(report: dict, target: str) -> list[str]:
     runs = e["runs"]
     # speedups only: llama.cpp's tau counts only the steps that had a draft, which flatters n-gram lookup
     cells = ", ".join(f"{name} {r['speedup']:.2f}x" for name, r in runs.items())
-    best = max(runs, key=lambda n: runs[n]["speedup"])
+    # the winner eval named (eval/engine_llamacpp.py `fastest`, not imported: it would bring torch to the CLI); a
+    # rerun that skips eval reads its earlier report.json, and one written before 2026-12-06 (a5d4569) names none
+    best = e["fastest"] if "fastest" in e else max(runs, key=lambda n: runs[n]["speedup"])
     verdict = (f"{best} wins" if runs[best]["speedup"] > 1.0 else
                f"none is faster than target-only; {best} is the least slow")
     head_tau = f", head tau {e['tau']:.2f}" if e.get("tau") is not None else ""

@@ -183,19 +183,27 @@ def test_smollm2_demo_measures_in_llamacpp_only_where_it_is_built(monkeypatch):
 
 
 def test_demo_summary_names_llamacpps_winner():
+    """The winner is the one eval's llama.cpp section names (`fastest`); a report written before eval named it
+    (a rerun that skips eval reads its earlier report.json) gets the same rule, the highest speedup."""
     from draftsmith import demo
 
-    def report(head, ngram, mixed):
+    def report(head, ngram, mixed, fastest=None):
         runs = {"eagle3": {"speedup": head, "tau": 1.9}, "ngram": {"speedup": ngram, "tau": 3.0},
                 "ngram+eagle3": {"speedup": mixed, "tau": 2.1}}
-        return {"llamacpp": {"runs": runs, "tau": 1.9, "target": "/x/SmolLM2.Q4_1.gguf",
-                             "target_only_tokens_per_s": 30.0}}
+        section = {"runs": runs, "tau": 1.9, "target": "/x/SmolLM2.Q4_1.gguf", "target_only_tokens_per_s": 30.0}
+        return {"llamacpp": section | ({"fastest": fastest} if fastest else {})}
 
-    line = demo.llamacpp_summary(report(1.01, 1.12, 1.15), "smollm2")[0]
-    assert "ngram+eagle3 wins" in line and "eagle3 1.01x" in line and "ngram 1.12x" in line
-    assert "eagle3 wins" in demo.llamacpp_summary(report(1.3, 1.12, 1.15), "smollm2")[0]
-    slow = demo.llamacpp_summary(report(0.8, 0.9, 0.95), "smollm2")[0]
+    # ": <name> wins": "eagle3 wins" alone is also in "ngram+eagle3 wins"
+    line = demo.llamacpp_summary(report(1.01, 1.12, 1.15, fastest="ngram+eagle3"), "smollm2")[0]
+    assert ": ngram+eagle3 wins" in line and "eagle3 1.01x" in line and "ngram 1.12x" in line
+    assert ": eagle3 wins" in demo.llamacpp_summary(report(1.3, 1.12, 1.15, fastest="eagle3"), "smollm2")[0]
+    slow = demo.llamacpp_summary(report(0.8, 0.9, 0.95, fastest="ngram+eagle3"), "smollm2")[0]
     assert "none is faster than target-only; ngram+eagle3 is the least slow" in slow
+    # the report's word, not a rule of the demo's own: a section naming ngram is read as naming ngram
+    assert ": ngram wins" in demo.llamacpp_summary(report(1.3, 1.12, 1.15, fastest="ngram"), "smollm2")[0]
+    # a report from before `fastest`: the highest speedup, as eval's rule
+    assert ": eagle3 wins" in demo.llamacpp_summary(report(1.3, 1.12, 1.15), "smollm2")[0]
+    assert ": ngram+eagle3 wins" in demo.llamacpp_summary(report(1.01, 1.12, 1.15), "smollm2")[0]
 
 
 def test_demo_summary_puts_the_builtin_drafters_side_by_side_and_names_the_winner():
