@@ -119,8 +119,10 @@ ROWS = (
     Method("dflash", folders=_dflash_folders, proposers=_dflash_proposers, train=_dflash_training,
            engines=Engines(vllm="dflash", llamacpp="draft-dflash")),
     # DSpark: DFlash plus a Markov head and a confidence head (DeepSpec). llama.cpp serves it (draft-dspark, export
-    # format=gguf); vLLM 0.32's method dspark runs only on its V2 runner (GPU, Triton): vLLM for CPU refuses it
-    # ("Model Runner V1 does not support dspark speculative decoding"), so draftsmith checks it in llama.cpp
+    # format=gguf); vLLM 0.32's method dspark (export format=dspark, which vLLM reads as Qwen3DSparkModel) runs only
+    # on its V2 runner (GPU, Triton): vLLM for CPU refuses it ("Model Runner V1 does not support: dspark speculative
+    # decoding"), so draftsmith decodes it in llama.cpp and checks vLLM's reading of the folder
+    # (tests/test_dspark_vllm_folder.py)
     Method("dspark", folders=_dspark_folders, proposers=_dspark_proposers, train=_dspark_training,
            engines=Engines(vllm="dspark", llamacpp="draft-dspark")),
     # MTP: the target's own multi-token-prediction layer (a MiMo folder's, or one grafted on), fine-tuned and stitched

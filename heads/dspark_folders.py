@@ -1,5 +1,5 @@
-"""The folders of a DSpark drafter: draftsmith's own (what `draftsmith train method=dspark` writes and eval loads),
-the GGUF llama.cpp serves with `draft-dspark`, and speculators' format.
+"""The folders of a DSpark drafter: draftsmith's own (what `draftsmith train method=dspark` writes, eval loads and vLLM
+serves), the GGUF llama.cpp serves with `draft-dspark`, and speculators' format.
 
     format=dspark  config.json: DSparkDraftModel (a name llama.cpp's DSpark converter registers), the DFlash folder's
                    fields (heads/block_folders.py: the Qwen3 layer fields, draft_vocab_size, block_size,
@@ -11,6 +11,14 @@ the GGUF llama.cpp serves with `draft-dspark`, and speculators' format.
                    model.safetensors: the DFlash tensors, markov_head.markov_w1.weight (V, r),
                    markov_head.markov_w2.weight (Vd, r), confidence_head.proj.weight (1, H + r),
                    confidence_head.proj.bias (1,)
+                   It is also the folder vLLM serves with method dspark (on a GPU: see below): vLLM's
+                   SpeculativeConfig maps DSparkDraftModel with model_type qwen3 to DeepSpec's Qwen3DSparkModel
+                   (qwen3_dspark.Qwen3DSparkForCausalLM), whose load_weights takes every tensor under these names
+                   (t2d dropped as training-only, d2t as draft_id_to_target_id: offsets, as ours). So no second
+                   folder is written under the name Qwen3DSparkModel: it would be this one renamed.
+                   tests/test_dspark_vllm_folder.py checks it with vLLM for CPU's own code. Serve it with
+                   num_speculative_tokens (at most block_size - 1): left unset, vLLM drafts block_size tokens,
+                   one more than the bonus-anchor block holds.
     format=gguf    dspark.gguf for `llama-server -md ... --spec-type draft-dspark`: this very folder, converted by
                    llama.cpp's own DSpark converter (conversion/qwen.py DSparkModel, which registers
                    DSparkDraftModel) through heads/folders.py `gguf_writer`. It writes d2t as absolute target ids,
@@ -31,7 +39,10 @@ the GGUF llama.cpp serves with `draft-dspark`, and speculators' format.
 
 Written atomically (heads/folders.py `write_head_folder`); loading reads safetensors only, checks every tensor's
 name, shape and dtype, and refuses in one sentence a folder that says another layout or head than the drafter
-computes. DeepSpec's Qwen3DSparkModel folder for vLLM is not written yet.
+computes.
+
+vLLM 0.32 serves DSpark only on its V2 model runner, which needs Triton; vLLM for CPU (no Triton CPU backend, so
+its V1 runner) refuses to build an engine for it: "Model Runner V1 does not support: dspark speculative decoding".
 """
 
 from __future__ import annotations
