@@ -100,6 +100,26 @@ def in_target_model(drafter, target_folder: str, out: Path, dtype: torch.dtype) 
                                   stage="eval"))
 
 
+def served_head(drafter) -> tuple[Optional[str], Optional[str]]:
+    """(the folder the serving commands name for the head, the command that writes it; None where that folder is the
+    head's own): train's MTP output (the layers alone) is served as its target with them stitched in, as `export
+    format=mimo` writes it (in_target_model does the same for eval's own vLLM run)."""
+    path = drafter.info.get("path")
+    if path is None or not drafter.engines.in_target or \
+            drafter.info.get("architecture") != mtp_folders.MTP_ARCHITECTURE:
+        return path, None
+    out = f"{path}-mimo"
+    return out, f"draftsmith export head={path} format=mimo out={out}"
+
+
+def with_export_command(settings: dict, export: Optional[str]) -> dict:
+    """`settings` (serving_settings') with `export` before each engine command that names the exported folder."""
+    for key in ("vllm", "sglang"):
+        if export and (settings.get(key) or {}).get("command"):
+            settings[key]["export_command"] = export
+    return settings
+
+
 def engine_job(target_folder: str, prompts: list[list[int]], max_tokens: int, eos: list[int], runs: list[dict],
                dtype: str = "float32", repeats: int = 1, warmup: int = 1, batch: bool = False) -> dict:
     """vllm_worker.py's job: every prompt alone, greedy, `repeats` times (median), after `warmup` prompts; or, with
@@ -362,9 +382,10 @@ def engine_recommendation(section: dict, drafter, setup, report: dict, target_mo
     settings = {key: builtin[key] for key in ("vllm", "sglang") if key in builtin}
     if builtin.get("k") != num_speculative_tokens or not settings:
         d = setup.drafting
-        settings = serving_settings(drafter.method, drafter.engines, target_model, drafter.info.get("path"),
-                                    num_speculative_tokens,
-                                    d.mode, d.tree_top_k, None, setup.cfg.ngram_min, setup.cfg.ngram_max)
+        served, export = served_head(drafter)
+        settings = with_export_command(serving_settings(drafter.method, drafter.engines, target_model, served,
+                                                        num_speculative_tokens, d.mode, d.tree_top_k, None,
+                                                        setup.cfg.ngram_min, setup.cfg.ngram_max), export)
     table = (section.get("cost_model") or {}).get("table") or []
     # the engine-calibrated model's
     predicted = next((r["predicted_speedup"] for r in table if r["k"] == num_speculative_tokens), None)

@@ -328,6 +328,10 @@ def summary_lines(report: dict) -> str:
         what = f"{rec['drafter']} " if rec.get("drafter") else ""
         lines.append(f"  best: {what}K={rec['k']} ({rec['mode']}): {rec['measured_speedup']:.2f}x measured{where}"
                      f"{predicted}")
+        # the folder or file an engine command names, where export writes it first (the head's GGUF, a stitched MTP)
+        for export in dict.fromkeys((rec.get(engine) or {}).get("export_command") for engine in ENGINE_NAMES):
+            if export:
+                lines.append(f"  export: {export}")
         for engine in ENGINE_NAMES:
             if (rec.get(engine) or {}).get("command"):
                 lines.append(f"  {engine}: {rec[engine]['command']}")

@@ -35,7 +35,7 @@ from . import cost, metrics
 from .config import EvalConfig, build_settings
 from .decoder import DraftingConfig, GenerationResult, Proposer, speculative_generate
 from .engine_llamacpp import llamacpp_report
-from .engine_vllm import engine_report, run_name
+from .engine_vllm import engine_report, run_name, served_head, with_export_command
 from .prompts import EvalPrompt, load_prompts, render
 from .proposers.ngram import NGRAM_ENGINES, NgramFirstProposer, NgramProposer
 from .report import hardware, software_versions, summary_lines, write_report
@@ -427,9 +427,11 @@ def cost_report(setup: Setup, drafter: Drafter, samples: dict[str, list[metrics.
     out["k_sweep"] = rows
     if best is not None:
         target_model = _hub_id(setup.target.target_id)
-        settings = cost.serving_settings(drafter.method, drafter.engines, target_model, drafter.info.get("path"),
-                                         best["k"], d.mode, d.tree_top_k, d.tree_budget if tree else None,
-                                         cfg.ngram_min, cfg.ngram_max, stop_below=d.stop_below)
+        served, export = served_head(drafter)
+        settings = with_export_command(
+            cost.serving_settings(drafter.method, drafter.engines, target_model, served, best["k"], d.mode,
+                                  d.tree_top_k, d.tree_budget if tree else None, cfg.ngram_min, cfg.ngram_max,
+                                  stop_below=d.stop_below), export)
         out["recommendation"] = {"k": best["k"], "mode": d.mode, "measured_speedup": best["measured_speedup"],
                                  "predicted_speedup": best["predicted_speedup"],
                                  "faster_than_target_only": best["measured_speedup"] > 1.0, **settings}

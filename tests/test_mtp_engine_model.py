@@ -112,3 +112,25 @@ def test_sglang_serves_the_mtp_folder_as_model_and_draft_and_other_heads_beside_
                               "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4")
     eagle3 = serving_settings("eagle3", methods()["eagle3"].engines, "org/target", "/runs/e3", 3)["sglang"]
     assert eagle3["command"].startswith("python -m sglang.launch_server --model-path org/target ")
+
+
+def test_the_serving_commands_of_trained_layers_name_the_folder_export_stitches(folders, tmp_path):
+    """train's MTP output is not servable as it is: the recommendation names `<head>-mimo` and the export command
+    that writes it (report.md and the summary print it first); a whole MiMo folder is named as it is."""
+    from draftsmith.eval.engine_vllm import served_head, with_export_command
+    from draftsmith.core.methods import methods
+    from draftsmith.eval.cost import serving_settings
+
+    engines = methods()["mtp"].engines
+
+    _, trained, mimo = folders
+    layers = Drafter("mtp", None, {"path": str(trained), "architecture": mtp_folders.MTP_ARCHITECTURE}, None,
+                     engines)
+    served, export = served_head(layers)
+    assert served == f"{trained}-mimo"
+    assert export == f"draftsmith export head={trained} format=mimo out={trained}-mimo"
+    settings = with_export_command(serving_settings("mtp", engines, "org/target", served, 3), export)
+    assert settings["vllm"]["command"].startswith(f"vllm serve {trained}-mimo ")
+    assert settings["vllm"]["export_command"] == settings["sglang"]["export_command"] == export
+    whole = Drafter("mtp", None, {"path": str(mimo), "architecture": mtp_folders.MIMO_ARCHITECTURE}, None, engines)
+    assert served_head(whole) == (str(mimo), None)
