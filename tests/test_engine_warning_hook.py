@@ -12,6 +12,7 @@ import types
 import pytest
 
 from draftsmith.core import methods
+from draftsmith.core.engine import Engines
 from draftsmith.eval import engine_vllm
 from draftsmith.heads import dflash_folders
 
@@ -22,7 +23,7 @@ SENTENCE = ("this vLLM (0.32.0) normalizes the context keys of every layer of th
 
 
 def _drafter(layers, method="dflash"):
-    return types.SimpleNamespace(method=method, info={"num_layers": layers})
+    return types.SimpleNamespace(method=method, info={"num_layers": layers}, engines=Engines(vllm=method))
 
 
 @pytest.mark.parametrize("layers,ok,warned", [(2, False, True), (1, False, False), (2, True, False), (2, None, False),
