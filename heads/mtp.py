@@ -134,8 +134,10 @@ class MTPDrafter(nn.Module):
         return self._lent()[0](input_ids)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """The target's lm_head over a step's output (already final_layernorm'd)."""
-        return self._lent()[1](out)
+        """The target's lm_head over a step's output (already final_layernorm'd), in the lm_head's dtype (training keeps
+        the layer in fp32 beside a bf16 target)."""
+        head = self._lent()[1]
+        return head(out.to(head.weight.dtype))
 
     def engine_hidden(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """The target hidden state the first step reads, from the target's hidden_states[N] (after its final norm,

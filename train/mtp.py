@@ -163,7 +163,7 @@ def new_mtp(target, cfg: MTPConfig, train, resume: Optional[Path]) -> MTPDrafter
     loads the checkpoint's weights into it."""
     folder = target_mtp_folder(target)
     if folder is not None:
-        drafter = load_mtp(folder, target)
+        drafter = load_mtp(folder)  # the checkpoint's tensors; attached and placed below
     else:
         hidden, fusion = ENGINE_INPUTS[MIMO_ARCHITECTURE]
         config = mtp_config_from_target(target.model.config, cfg.num_layers, hidden, fusion)
@@ -171,7 +171,10 @@ def new_mtp(target, cfg: MTPConfig, train, resume: Optional[Path]) -> MTPDrafter
         drafter = MTPDrafter(config)
         for layer in drafter.layers:
             init_mtp_layer(layer)  # torch's generator, which the run seeds
-        drafter.attach(target.model).to(device=target.device, dtype=target.dtype)
+    # fp32 master weights whatever the target's dtype, as every other method's head (precision=bf16 computes under
+    # autocast): in a bf16 target's dtype Adam's updates round away, a norm weight of 1 moves in steps of 2^-7, more
+    # than a whole step at lr 3e-3
+    drafter.attach(target.model).to(device=target.device, dtype=torch.float32)
     return drafter.requires_grad_(True)
 
 
