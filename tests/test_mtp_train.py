@@ -123,6 +123,17 @@ def test_new_drafter_reads_the_targets_own_layer_or_grafts_one(mimo_target):
     assert grafted.config.mtp_hidden == "pre_norm" and grafted.config.mtp_fusion == "hidden_first"
 
 
+@pytest.mark.parametrize("own_layer", [True, False])
+def test_the_layer_trains_in_fp32_beside_a_bf16_target(mimo_target, own_layer):
+    """Master weights in fp32 whatever the target's dtype (the demo's target is bf16 under dtype auto): in bf16 Adam's
+    updates round away (a norm weight of 1 moves in steps of 2^-7). The logits come out in the lm_head's dtype."""
+    folder = mimo_target[0].target_id if own_layer else "tiny"
+    target = load_target(TargetConfig(name=str(folder), dtype="bfloat16"))
+    drafter = new_mtp(target, MTPConfig(), None, None)
+    assert {p.dtype for p in drafter.parameters()} == {torch.float32}
+    assert drafter.logits(torch.randn(1, 2, target.model.config.hidden_size)).dtype == torch.bfloat16
+
+
 def test_train_then_export_stitches_the_trained_layer(tiny_data, tmp_path):
     from draftsmith.train.run import run
 
