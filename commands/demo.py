@@ -47,6 +47,7 @@ from draftsmith.configs import compose
 from draftsmith.data_gen.run import run as data_gen_run
 from draftsmith.data_gen.target import load_target
 from draftsmith.core.engine import NUM_SPECULATIVE_TOKENS
+from draftsmith.eval.config import check_gguf_outtypes
 from draftsmith.eval.run import run as eval_run
 from draftsmith.train.checkpoint import list_checkpoints
 from draftsmith.train.run import run as train_run
@@ -101,6 +102,9 @@ class DemoConfig:
     eval_max_new_tokens: Optional[int] = None  # answer length in eval
     repeats: Optional[int] = None  # eval timing repeats
     num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS  # K (3: a demo-sized head accepts little past the first)
+    # llama.cpp (where built): the head's GGUF types measured side by side, e.g. [f32,f16,bf16,q8_0]; null: eval's
+    # default, export's one type (q8_0). Each type adds a head run and a head + n-gram run (~1 min each, 2 cores)
+    gguf_outtypes: Optional[list[str]] = None
     progress: bool = True  # show progress bars
 
     def __post_init__(self):
@@ -116,6 +120,8 @@ class DemoConfig:
             checks.one_of("train_mode", self.train_mode, ("offline", "online"))
         checks.in_range("num_speculative_tokens", self.num_speculative_tokens, 1, 64)
         checks.positive("budget_min", self.budget_min, null="no budget")
+        if self.gguf_outtypes is not None:
+            check_gguf_outtypes(list(self.gguf_outtypes))
 
 
 def sizes(cfg) -> dict:
@@ -155,16 +161,18 @@ def stage_overrides(cfg, s: dict, out: Path) -> dict[str, list[str]]:
                  f"max_new_tokens={s['eval_max_new_tokens']}", f"repeats={s['repeats']}",
                  "baselines=[ngram,ngram+head]",  # the head, n-gram lookup and n-gram + head, side by side
                  f"seed={cfg.seed}", f"progress={str(cfg.progress).lower()}", f"out={out / 'eval'}"]
-                + llamacpp_overrides(s),
+                + llamacpp_overrides(s, cfg.gguf_outtypes),
     }
 
 
-def llamacpp_overrides(s: dict) -> list[str]:
+def llamacpp_overrides(s: dict, gguf_outtypes: Optional[list[str]] = None) -> list[str]:
     """The embedded SmolLM2 is also measured in llama.cpp, the engine CPU users serve its GGUF in, where it is built:
-    its own Q4_1 file as the target, beside the head, n-gram and head + n-gram (eval engine=llamacpp)."""
+    its own Q4_1 file as the target, beside the head (at each of `gguf_outtypes`, else export's type), n-gram and
+    head + n-gram (eval engine=llamacpp)."""
     if s["target"] != "smollm2" or llamacpp.llamacpp_missing() is not None:
         return []
-    return ["engine=llamacpp", "llamacpp_target=same"]
+    types = [f"gguf_outtypes=[{','.join(gguf_outtypes)}]"] if gguf_outtypes else []
+    return ["engine=llamacpp", "llamacpp_target=same", *types]
 
 
 FOLDERS = mf.DEMO_FOLDERS  # {"data_gen": "data", "train": "head", "eval": "eval"}: core lists what each writes

@@ -182,6 +182,24 @@ def test_smollm2_demo_measures_in_llamacpp_only_where_it_is_built(monkeypatch):
     assert "not built" in line and demo.llamacpp.BUILD in line
 
 
+def test_demo_measures_the_gguf_types_it_is_given_side_by_side(monkeypatch, tmp_path):
+    """gguf_outtypes reaches the demo's eval (each type a head run and a head + n-gram run); unset, eval's default
+    (export's type); a wrong list is refused in one sentence before any work."""
+    from draftsmith import demo
+    from draftsmith.core import DraftsmithError
+
+    monkeypatch.setattr(demo.llamacpp, "llamacpp_missing", lambda: None)
+    cfg = compose("demo", [f"out={tmp_path}", "gguf_outtypes=[f32,q8_0]"])
+    overrides = demo.stage_overrides(cfg, sizes(cfg), tmp_path)["eval"]
+    assert overrides[-3:] == ["engine=llamacpp", "llamacpp_target=same", "gguf_outtypes=[f32,q8_0]"]
+    assert compose("eval", overrides).gguf_outtypes == ["f32", "q8_0"]
+    default = compose("demo", [f"out={tmp_path}"])
+    assert not any(o.startswith("gguf_outtypes") for o in demo.stage_overrides(default, sizes(default), tmp_path)["eval"])
+    with pytest.raises(DraftsmithError) as e:
+        compose("demo", ["gguf_outtypes=[f32,f32]"])
+    assert "gguf_outtypes" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_demo_summary_names_llamacpps_winner():
     """The winner is the one eval's llama.cpp section names (`fastest`); a report written before eval named it
     (a rerun that skips eval reads its earlier report.json) gets the same rule, the highest speedup."""
