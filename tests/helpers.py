@@ -948,3 +948,18 @@ def counters_job(target, samples: dict, max_tokens: int, runs: list[dict]) -> di
                                [{"name": ev_engine.TARGET_ONLY, "speculative_config": None}] + runs,
                                warmup=0, batch=True)
     return engine.run_job(job, timeout_s=3600)
+
+
+def mtp_engine_agreement(samples: dict, result: dict, name: str, k: int, record_property) -> dict:
+    """The MTP engine modules' reading of the built-in run `name` against vLLM's `mtp` run: vLLM loaded both runs,
+    its output equals its target-only output and the built-in target-only's, the built-in run is lossless too; then
+    eval/engine_vllm.py's agreement, recorded and printed (each module asserts what it expects of it)."""
+    run, base = result["runs"]["mtp"], result["runs"][ev.TARGET_ONLY]
+    assert base["ok"], base.get("error")
+    assert run["ok"], f"vLLM refused the MiMo: {run.get('error')}"
+    assert run["tokens"] == base["tokens"] == [s.tokens for s in samples[ev.TARGET_ONLY]]
+    assert [s.tokens for s in samples[name]] == [s.tokens for s in samples[ev.TARGET_ONLY]]  # lossless here too
+    agree = ev_engine.agreement(samples[name], run, k)
+    record_property("agreement", agree)
+    print(name, agree)
+    return agree

@@ -38,7 +38,7 @@ from draftsmith.heads import mtp_folders
 from draftsmith.heads.mtp import MTPDrafter, init_mtp_layer, mtp_config_from_target
 from draftsmith.train.features import TargetHead
 from draftsmith.train.mtp import mtp_loss
-from helpers import tiny_llama
+from helpers import mtp_engine_agreement, tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(1800)]
 
@@ -133,15 +133,7 @@ def measured(mimo):
 
 def test_mtp_in_engine_equals_the_builtin_decoder(measured, record_property):
     """Loads, greedy output identical to target-only, τ and per-position acceptance equal to the built-in decoder's."""
-    samples, result = measured
-    run, base = result["runs"]["mtp"], result["runs"][ev_engine.TARGET_ONLY]
-    assert base["ok"], base.get("error")
-    assert run["ok"], f"vLLM refused the MiMo: {run.get('error')}"
-    assert run["tokens"] == base["tokens"] == [s.tokens for s in samples[ev.TARGET_ONLY]]
-    assert [s.tokens for s in samples["mtp"]] == [s.tokens for s in samples[ev.TARGET_ONLY]]  # lossless here too
-    agree = ev_engine.agreement(samples["mtp"], run, K)
-    record_property("agreement", agree)
-    print("mtp", agree)
+    agree = mtp_engine_agreement(*measured, "mtp", K, record_property)
     assert agree["equal"], agree
     assert agree["steps_identical_fraction"] == 1.0, agree
     assert agree["per_position_engine"][0] > 0.5, agree  # a trained layer: most drafts are accepted
@@ -151,10 +143,6 @@ def test_mtp_in_engine_equals_the_builtin_decoder(measured, record_property):
 def test_a_layer_computed_otherwise_fails_the_agreement(measured, name, record_property):
     """Negative controls: the built-in decoder with the fusion swapped, the post-norm hidden state or the untrained
     layer is lossless, and no longer agrees with vLLM's run of the trained MiMo."""
-    samples, result = measured
-    assert [s.tokens for s in samples[name]] == [s.tokens for s in samples[ev.TARGET_ONLY]]
-    agree = ev_engine.agreement(samples[name], result["runs"]["mtp"], K)
-    record_property("agreement", agree)
-    print(name, agree)
+    agree = mtp_engine_agreement(*measured, name, K, record_property)
     assert not agree["equal"], agree
     assert agree["max_abs_delta"] > ev_engine.TOLERANCE, agree  # not only a step moved: τ itself is off

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ENGINE_K, ENGINE_PROMPTS, counters_job, edited_copy, engines_of
+from helpers import ENGINE_K, ENGINE_PROMPTS, counters_job, edited_copy, engines_of, mtp_engine_agreement
 
 from draftsmith.configs import compose
 from draftsmith.core import machine
@@ -148,15 +148,7 @@ def measured(folders, engine_data, builtin_samples, smollm2_target, tmp_path_fac
 def test_smollm2_as_mimo_in_engine_equals_the_builtin_decoder(measured, record_property):
     """Loads, greedy output identical to target-only, τ and per-position acceptance equal to the built-in decoder's,
     with a layer trained well enough that its drafts are mostly accepted."""
-    samples, result = measured
-    run, base = result["runs"]["mtp"], result["runs"][ev_engine.TARGET_ONLY]
-    assert base["ok"], base.get("error")
-    assert run["ok"], f"vLLM refused SmolLM2 as a MiMo: {run.get('error')}"
-    assert run["tokens"] == base["tokens"] == [s.tokens for s in samples[ev.TARGET_ONLY]]
-    assert [s.tokens for s in samples["mtp"]] == [s.tokens for s in samples[ev.TARGET_ONLY]]  # lossless here too
-    agree = ev_engine.agreement(samples["mtp"], run, K)
-    record_property("agreement", agree)
-    print("mtp", agree)
+    agree = mtp_engine_agreement(*measured, "mtp", K, record_property)
     assert agree["equal"], agree
     assert agree["steps_identical_fraction"] == 1.0, agree
     assert agree["tau_engine"] > 1.3, agree  # trained: an untrained layer's τ is about 1, which no control could miss
@@ -166,11 +158,7 @@ def test_smollm2_as_mimo_in_engine_equals_the_builtin_decoder(measured, record_p
 def test_a_layer_computed_otherwise_fails_the_agreement(measured, name, record_property):
     """Negative controls: the built-in decoder with the fusion swapped, the post-norm hidden state or an untrained
     layer is lossless, and no longer agrees with vLLM's run of the trained MiMo."""
-    samples, result = measured
-    assert [s.tokens for s in samples[name]] == [s.tokens for s in samples[ev.TARGET_ONLY]]
-    agree = ev_engine.agreement(samples[name], result["runs"]["mtp"], K)
-    record_property("agreement", agree)
-    print(name, agree)
+    agree = mtp_engine_agreement(*measured, name, K, record_property)
     assert not agree["equal"], agree
     # not one step moved: most prompts are drafted otherwise (the post-norm state moved τ itself by only 0.019 here,
     # 0.029 at one position, above the tolerance but not by much, while every prompt's verifications differed)
