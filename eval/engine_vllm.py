@@ -28,7 +28,6 @@ import torch
 from ..core import DraftsmithError, engine
 from ..core.engine import Engines
 from ..heads import mtp_folders
-from ..heads.folders import read_config_json
 from . import metrics
 from .config import EvalConfig, check_engine_options
 from .cost import predicted_tau, serving_settings
@@ -92,7 +91,7 @@ def in_target_model(drafter, target_folder: str, out: Path, dtype: torch.dtype) 
     format=mimo` writes it, at `out/engine_model` (in the job's dtype): served otherwise, vLLM would run the layer the
     target folder ships (or none), not the head the built-in decoder measured."""
     head = Path(drafter.info["path"])
-    if read_config_json(head).get("architectures") != [mtp_folders.MTP_ARCHITECTURE]:
+    if not stitched_to_serve(drafter):
         return str(head)
     log.info("engine=vllm: stitching %s into a copy of %s for vLLM (%s)", head, target_folder, out / "engine_model")
     layers = mtp_folders.load_mtp(head)
@@ -100,13 +99,18 @@ def in_target_model(drafter, target_folder: str, out: Path, dtype: torch.dtype) 
                                   stage="eval"))
 
 
+def stitched_to_serve(drafter) -> bool:
+    """train's MTP output (the layers alone, architecture DraftsmithMTP as load_drafter read it): no engine serves it
+    as it is, only stitched into a copy of its target (`export format=mimo`)."""
+    return drafter.engines.in_target and drafter.info.get("architecture") == mtp_folders.MTP_ARCHITECTURE
+
+
 def served_head(drafter) -> tuple[Optional[str], Optional[str]]:
     """(the folder the serving commands name for the head, the command that writes it; None where that folder is the
     head's own): train's MTP output (the layers alone) is served as its target with them stitched in, as `export
     format=mimo` writes it (in_target_model does the same for eval's own vLLM run)."""
     path = drafter.info.get("path")
-    if path is None or not drafter.engines.in_target or \
-            drafter.info.get("architecture") != mtp_folders.MTP_ARCHITECTURE:
+    if path is None or not stitched_to_serve(drafter):
         return path, None
     out = f"{path}-mimo"
     return out, f"draftsmith export head={path} format=mimo out={out}"

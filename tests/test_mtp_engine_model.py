@@ -57,7 +57,8 @@ def captured_job(monkeypatch, head, target_folder, out, engines=MTP_ENGINES) -> 
                            "sweep_k=[2]", f"out={out}"])
     target = type("T", (), {"eos_token_ids": [0], "model": type("M", (), {"dtype": torch.float32})()})()
     setup = type("S", (), {"cfg": cfg, "drafting": cfg.drafting, "target": target})()
-    drafter = Drafter(engines.vllm, lambda: None, {"path": str(head)}, None, engines)
+    architecture = mtp_folders.read_config_json(head)["architectures"][0]  # as eval's load_drafter records it
+    drafter = Drafter(engines.vllm, lambda: None, {"path": str(head), "architecture": architecture}, None, engines)
     sample = type("Sample", (), {"prompt_ids": [5, 6], "tokens": [1, 2]})()
     with pytest.raises(Captured):
         engine_vllm.engine_report(setup, drafter, {engine_vllm.TARGET_ONLY: [sample]}, {}, "org/target")
